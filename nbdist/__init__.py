@@ -1,0 +1,55 @@
+"""nbdist: put ``%%distrain`` on a notebook cell and it runs as a distributed training job.
+
+Load it with ``%load_ext nbdist``; ``%%distrain?`` shows the flags and examples.
+``import nbdist`` imports no framework: torch and TensorFlow load on the engines, when a job
+needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbdist.errors import (
+    ClusterError,
+    DistrainError,
+    JobInterrupted,
+    JobTimeout,
+    NbdistWarning,
+    RankFailure,
+    WorkerDied,
+    WorkerError,
+)
+from nbdist.kernel.options import RunOptions
+from nbdist.kernel.result import DistrainResult, RankResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterError",
+    "DistrainError",
+    "DistrainResult",
+    "JobInterrupted",
+    "JobTimeout",
+    "NbdistWarning",
+    "RankFailure",
+    "RankResult",
+    "RunOptions",
+    "WorkerDied",
+    "WorkerError",
+    "__version__",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbdist``: register ``%%distrain`` / ``%distrain`` in this kernel."""
+    from nbdist.kernel.magic import DistrainMagics
+
+    ipython.register_magics(DistrainMagics(ipython))
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbdist``: stop the cluster this kernel started."""
+    magics = ipython.magics_manager.registry.pop("DistrainMagics", None)
+    if magics is not None:
+        magics.close()

@@ -1,0 +1,43 @@
+"""Framework backends: one module per distributed strategy, behind one small interface.
+
+A backend module provides:
+
+``NAME``
+    the ``--framework`` value it serves.
+``KEEPS_RENDEZVOUS_AFTER_FAILURE``
+    whether engines can run the next job on the same rendezvous after a rank failed.
+``warm_up(*, local_world_size, cpus)``
+    once per engine: import the framework and size its thread pools.
+``prepare(*, rank, world_size, options, state)``
+    once per new rendezvous, on every engine: the engine's part of it (e.g. a port it opened).
+``rendezvous(hosts, prepared)``
+    pure: engine hosts (in rank order) and what ``prepare`` returned → each rank's environment.
+``session(spec, state)``
+    a context manager around one run: makes the distributed runtime ready and yields the names
+    the cell sees (``device``, ``strategy``, ...).
+``recover(state)``
+    after a failed run, once the cell's objects are gone: leave the engine ready for a new
+    rendezvous, and free peers still blocked in a collective.
+
+Adding a framework is one new module and one line in ``_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_MODULES = {
+    "torch": "nbdist.engine.backends.torch_ddp",
+}
+
+FRAMEWORKS = tuple(_MODULES)
+
+
+def load(framework: str) -> ModuleType:
+    """The backend module for ``framework`` (imports no framework itself)."""
+    try:
+        return importlib.import_module(_MODULES[framework])
+    except KeyError:
+        known = ", ".join(FRAMEWORKS)
+        raise ValueError(f"unknown framework {framework!r}; use one of: {known}") from None

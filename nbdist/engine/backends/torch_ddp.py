@@ -1,0 +1,198 @@
+"""PyTorch DistributedDataParallel: one default process group per rendezvous.
+
+Lifecycle (see ``shared/NOTES.md`` for the measurements behind it):
+
+* The group is created once per rendezvous and kept across runs: destroying a gloo group while
+  a DDP model is alive can deadlock, and a re-used ``MASTER_PORT`` hangs. Warm runs pay nothing.
+* Rank 0 opens the TCPStore on port 0 (the OS picks a free port) in ``prepare``; every new
+  rendezvous therefore gets a fresh port.
+* Every group has a finite collective timeout, so a lost peer is an error, never a hang.
+* After a failed run the worker drops every object of the cell, collects garbage and calls
+  :func:`recover`, which destroys the group. Destroying it on the rank that raised closes its
+  connections, which frees peers blocked in an allreduce within a second (SIGINT does not).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from nbdist.engine.spec import RankSpec
+from nbdist.engine.state import EngineState
+
+NAME = "torch"
+KEEPS_RENDEZVOUS_AFTER_FAILURE = False
+COLLECTIVE_TIMEOUT_S = 60
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(*, local_world_size: int, cpus: int) -> None:
+    import torch
+    import torch.distributed  # noqa: F401
+    import torch.nn  # noqa: F401
+
+    if not torch.cuda.is_available():
+        # Two workers with all cores each would fight over them: split the cores.
+        torch.set_num_threads(max(1, cpus // max(1, local_world_size)))
+    # The first DDP() imports torch._dynamo (~800 modules, ~3 s); pay it here, not in a cell.
+    import torch._dynamo  # noqa: F401
+
+
+def _teardown(slot: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    slot.clear()
+    gc.collect()
+
+
+def prepare(
+    *, rank: int, world_size: int, options: Mapping[str, Any], state: EngineState
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    slot = state.slot(NAME)
+    _teardown(slot)
+    if rank != 0:
+        return {}
+    store = dist.TCPStore(
+        options.get("master_addr", "127.0.0.1"),
+        0,
+        world_size,
+        True,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        wait_for_workers=False,
+    )
+    slot["store"] = store
+    return {"port": store.port}
+
+
+def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Per-rank ``torch.distributed`` environment: the ``env://`` variables, rank 0 as master."""
+    world = len(hosts)
+    seen: dict[str, int] = {}
+    local_ranks = []
+    for host in hosts:
+        local_ranks.append(seen.get(host, 0))
+        seen[host] = seen.get(host, 0) + 1
+    return [
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_ranks[rank]),
+            "LOCAL_WORLD_SIZE": str(seen[host]),
+            "MASTER_ADDR": hosts[0],
+            "MASTER_PORT": str(prepared[0]["port"]),
+        }
+        for rank, host in enumerate(hosts)
+    ]
+
+
+def _loopback_interface() -> str | None:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+@contextmanager
+def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    slot = state.slot(NAME)
+    backend = spec.options.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+    port = int(os.environ["MASTER_PORT"])
+    addr = os.environ["MASTER_ADDR"]
+    if not (dist.is_initialized() and slot.get("port") == port):
+        if dist.is_initialized():
+            _teardown(slot)
+        if _is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # A local job: keep gloo's listening sockets on loopback, unreachable from other hosts.
+            lo = _loopback_interface()
+            if lo:
+                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        store = slot.get("store")
+        if store is None:
+            store = dist.TCPStore(
+                addr,
+                port,
+                spec.world_size,
+                False,
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        slot.update(port=port, store=store, backend=backend)
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # each engine sees exactly its own GPU, as device 0
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")
+    with _owned_process_group(slot["backend"], device):
+        yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
+
+
+@contextmanager
+def _owned_process_group(backend: str, device: Any) -> Iterator[None]:
+    """Make a cell's own ``init_process_group``/``destroy_process_group`` calls harmless.
+
+    Scripts written for torchrun call both; here nbdist already owns the group, so a second
+    initialisation is skipped (it would raise) and the destroy is left to nbdist (destroying a
+    group under a live DDP model can deadlock).
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+
+    def init_process_group(backend_arg: str | None = None, *args: Any, **kwargs: Any) -> None:
+        wanted = kwargs.get("backend", backend_arg)
+        wanted = str(wanted).lower() if wanted is not None else None
+        if wanted and wanted.startswith("nccl") and device.type != "cuda":
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: init_process_group({wanted!r}) needs a GPU, and this "
+                "worker has none. Use backend='gloo' or drop the argument: nbdist has already "
+                "set up the process group."
+            )
+        log.info("process group already initialised by nbdist (%s); skipping", backend)
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is not None:
+            real_destroy(group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_process_group
+        module.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        for module in (dist, c10d):
+            module.init_process_group = real_init
+            module.destroy_process_group = real_destroy
+
+
+def recover(state: EngineState) -> None:
+    _teardown(state.slot(NAME))

@@ -1,0 +1,192 @@
+"""The entry points the notebook calls on each engine.
+
+``run_rank`` runs one rank of a ``%%distrain`` cell: it applies the rank's environment in a
+context that restores it, lets the backend make the distributed runtime ready, runs the cell
+with the context names injected, and always leaves the engine ready for the next run. It never
+raises: a failure comes back as data (rank, host, exception, cell line, traceback) so that the
+notebook can merge the reports of all ranks into one error.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import linecache
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from nbdist.engine import backends
+from nbdist.engine.env import patch_environment
+from nbdist.engine.hardware import engine_info
+from nbdist.engine.spec import RankSpec
+from nbdist.engine.state import engine_state
+
+__all__ = ["engine_info", "pin_gpu", "prepare", "run_rank", "warm_up"]
+
+
+def pin_gpu(gpu: str | None) -> None:
+    """Make this engine see exactly one GPU (or none), before any framework touches CUDA."""
+    state = engine_state()
+    state.gpu = gpu
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
+def warm_up(framework: str, *, local_world_size: int, cpus: int) -> float:
+    """Import ``framework`` and size its thread pools, once per engine; returns seconds taken."""
+    state = engine_state()
+    start = time.perf_counter()
+    if framework not in state.warm:
+        backends.load(framework).warm_up(local_world_size=local_world_size, cpus=cpus)
+        state.warm.add(framework)
+    return time.perf_counter() - start
+
+
+def prepare(framework: str, *, rank: int, world_size: int, options: dict[str, Any]) -> dict:
+    """This engine's part of a new rendezvous for ``framework``."""
+    return backends.load(framework).prepare(
+        rank=rank, world_size=world_size, options=options, state=engine_state()
+    )
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Shield clean-up from a second interrupt: a half-done teardown would leave a hung group."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:  # an interrupt already pending fires on the line above; once.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body[-1].value)
+        return ast.Module(tree.body[:-1], type_ignores=[]), last
+    return tree, None
+
+
+def _run_cell(source: str, filename: str, namespace: dict[str, Any]) -> Any:
+    """Run the cell like IPython does: statements, then the value of a final expression."""
+    # Register the source so tracebacks show the cell's lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    body, last = _split_last_expression(ast.parse(source, filename))
+    exec(compile(body, filename, "exec"), namespace)
+    if last is not None:
+        return eval(compile(last, filename, "eval"), namespace)
+    return None
+
+
+def _describe(exc: BaseException, spec: RankSpec, host: str) -> dict[str, Any]:
+    """A picklable report of ``exc``: type, message, cell line and the traceback from the cell."""
+    tb = exc.__traceback__
+    # Start the traceback at the cell: the worker's own frames are noise to the user.
+    while tb is not None and tb.tb_frame.f_code.co_filename != spec.filename:
+        tb = tb.tb_next
+    if tb is None:
+        tb = exc.__traceback__
+    line = None
+    walk = tb
+    while walk is not None:
+        if walk.tb_frame.f_code.co_filename == spec.filename:
+            line = walk.tb_lineno
+        walk = walk.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    line_text = linecache.getline(spec.filename, line) if line else ""
+    traceback.clear_frames(exc.__traceback__)
+    return {
+        "rank": spec.rank,
+        "host": host,
+        "exc_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": text,
+        "line": line,
+        "line_text": line_text.rstrip("\n"),
+        "time": time.time(),
+    }
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def run_rank(spec: RankSpec) -> dict[str, Any]:
+    """Run one rank of a cell; returns a report dict (never raises)."""
+    state = engine_state()
+    backend = backends.load(spec.framework)
+    host = socket.gethostname()
+    start = time.perf_counter()
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
+    failure = None
+    try:
+        with patch_environment(spec.env), backend.session(spec, state) as names:
+            namespace.update(names)
+            namespace.update(
+                rank=spec.rank,
+                world_size=spec.world_size,
+                local_rank=spec.local_rank,
+                local_world_size=spec.local_world_size,
+                is_main=spec.rank == 0,
+            )
+            namespace.update(spec.push)
+            value = _run_cell(spec.source, spec.filename, namespace)
+            report["value"] = value if _picklable(value) else None
+            report["value_repr"] = None if value is None else repr(value)
+            if spec.rank == 0:
+                report["pulled"] = _pull(namespace, spec.pull)
+            report["ok"] = True
+            del value
+    except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
+        failure = _describe(exc, spec, host)
+    finally:
+        with _sigint_ignored():
+            namespace.clear()
+            if failure is not None:
+                gc.collect()
+                backend.recover(state)
+            sys.stdout.flush()
+            sys.stderr.flush()
+    report["failure"] = failure
+    report["wall"] = time.perf_counter() - start
+    return report
+
+
+class _PullError(Exception):
+    pass
+
+
+def _pull(namespace: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        if name not in namespace:
+            raise _PullError(
+                f"--pull {name}: the cell defines no variable {name!r} on rank 0; "
+                "check the spelling or assign it in the cell"
+            )
+        if not _picklable(namespace[name]):
+            raise _PullError(
+                f"--pull {name}: {type(namespace[name]).__name__} cannot be pickled; pull a "
+                f"plain value instead (e.g. {name}.state_dict() or {name}.tolist())"
+            )
+        out[name] = namespace[name]
+    return out

@@ -1,0 +1,168 @@
+"""Errors raised by nbdist, all in one tree::
+
+    DistrainError                 base of everything nbdist raises in the notebook
+    ├── WorkerError               one or more ranks raised inside the cell
+    ├── WorkerDied                an engine process died during the job (engines are replaced)
+    ├── JobTimeout                ``--timeout`` elapsed; every rank was stopped
+    ├── JobInterrupted            the notebook's interrupt stopped the job
+    └── ClusterError              the ipyparallel cluster could not be started or reached
+
+    NbdistWarning                 warnings nbdist itself emits
+
+Misuse of the magic (bad flags, a cell that does not parse, a variable that cannot be pushed) is
+IPython's ``UsageError``: it is reported before anything runs on the engines.
+
+Each error renders in the notebook as its message alone (``_render_traceback_``): the kernel-side
+frames of nbdist say nothing useful to the person who wrote the cell; the remote traceback does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "ClusterError",
+    "DistrainError",
+    "JobInterrupted",
+    "JobTimeout",
+    "NbdistWarning",
+    "RankFailure",
+    "WorkerDied",
+    "WorkerError",
+]
+
+
+class NbdistWarning(UserWarning):
+    """A warning emitted by nbdist."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reported when its cell raised.
+
+    ``collateral`` is True when the rank failed only because a peer failed first (its collective
+    lost the peer, or nbdist interrupted it): such ranks are listed, not shown in full.
+    """
+
+    rank: int
+    host: str
+    exc_type: str
+    message: str
+    traceback: str
+    line: int | None = None
+    line_text: str = ""
+    time: float = 0.0
+    collateral: bool = False
+
+    @property
+    def headline(self) -> str:
+        text = f"{self.exc_type}: {self.message}" if self.message else self.exc_type
+        return text
+
+
+class DistrainError(Exception):
+    """Base class of the errors nbdist raises in the notebook."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class ClusterError(DistrainError):
+    """The ipyparallel cluster could not be started, reached or resized."""
+
+
+class JobTimeout(DistrainError):
+    """The job ran past ``--timeout``; every rank was stopped."""
+
+
+class JobInterrupted(DistrainError):
+    """The notebook's interrupt (or the Stop button) stopped the job."""
+
+
+class WorkerDied(DistrainError):
+    """An engine process died during the job; nbdist replaced the engines."""
+
+
+# A rank whose collective lost its peer fails with one of these; it is a consequence, not a cause.
+_PEER_LOST = re.compile(
+    r"Connection (reset|closed) by peer|pair closure|Socket Timeout|Timed out waiting|"
+    r"gloo/transport|NCCL communicator was aborted|CollectiveOps|Collective ops is aborted|"
+    r"DeadlineExceeded|UnavailableError",
+    re.IGNORECASE,
+)
+
+
+def classify(failures: list[RankFailure]) -> list[RankFailure]:
+    """Mark the failures that only followed another rank's failure as collateral.
+
+    The earliest failure is always a cause. A later one is collateral when it is an interrupt
+    (nbdist stops the remaining ranks with SIGINT) or a lost-peer error from the collectives.
+    """
+    if not failures:
+        return []
+    ordered = sorted(failures, key=lambda f: (f.time, f.rank))
+    first = ordered[0]
+    out = []
+    for f in failures:
+        lost_peer = f.exc_type == "KeyboardInterrupt" or bool(_PEER_LOST.search(f.message))
+        collateral = f is not first and lost_peer
+        out.append(RankFailure(**{**f.__dict__, "collateral": collateral}))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+class WorkerError(DistrainError):
+    """One or more ranks raised inside the cell.
+
+    Attributes
+    ----------
+    failures : list of RankFailure
+        One entry per failed rank, in rank order.
+    stopped : list of int
+        Ranks that were still running and were stopped because of the failure.
+    """
+
+    def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
+        self.failures = sorted(classify(failures), key=lambda f: f.rank)
+        self.stopped = sorted(stopped or [])
+        super().__init__(self._message())
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks whose own code raised (not those that only lost a peer)."""
+        return [f.rank for f in self.failures if not f.collateral]
+
+    def _groups(self) -> list[tuple[list[RankFailure], RankFailure]]:
+        """Causes grouped by identical traceback, so N identical failures print once."""
+        groups: dict[tuple[str, str], list[RankFailure]] = {}
+        for f in self.failures:
+            if not f.collateral:
+                groups.setdefault((f.headline, f.traceback), []).append(f)
+        return [(fs, fs[0]) for fs in groups.values()]
+
+    def _message(self) -> str:
+        parts = []
+        for members, f in self._groups():
+            hosts = sorted({m.host for m in members})
+            where = f"{_ranks_text([m.rank for m in members])} (host {', '.join(hosts)})"
+            parts.append(f"{where} raised {f.headline}")
+            if f.line is not None:
+                parts.append(f"  at cell line {f.line}: {f.line_text.strip()}")
+        return "\n".join(parts) if parts else "the job failed"
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"WorkerError: {self._message()}", ""]
+        for members, f in self._groups():
+            lines.append(f"--- remote traceback, {_ranks_text([m.rank for m in members])} ---")
+            lines.extend(f.traceback.rstrip("\n").splitlines())
+            lines.append("")
+        collateral = [f.rank for f in self.failures if f.collateral]
+        others = sorted(set(collateral) | set(self.stopped))
+        if others:
+            lines.append(f"{_ranks_text(others)} stopped because a peer failed.")
+        lines.append("Fix the cell and run it again: the cluster is ready for the next %%distrain.")
+        return lines

@@ -1,0 +1,268 @@
+"""The engines jobs run on. The only module that touches ipyparallel's Cluster and Client.
+
+nbdist starts a local cluster (controller on loopback) on first use and keeps it across cells.
+Engines are ordered by engine id and a rank is a *position* in that order, never the id itself:
+ids change when engines are replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbdist.engine import worker
+from nbdist.engine.hardware import visible_gpus
+from nbdist.errors import ClusterError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_WORKERS = 2
+ENGINE_START_TIMEOUT_S = 120
+LOOPBACK = "127.0.0.1"
+
+
+def default_workers() -> int:
+    """One worker per visible GPU; 2 on a CPU-only machine."""
+    return len(visible_gpus()) or DEFAULT_CPU_WORKERS
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine, in rank order: where it runs and what it may use."""
+
+    rank: int
+    engine_id: int
+    host: str
+    address: str
+    pid: int
+    gpu: str | None
+    cpus: int
+    local_rank: int
+    local_world_size: int
+
+
+@dataclass
+class Rendezvous:
+    """A framework's live rendezvous on the current engines: the key it was made for and envs."""
+
+    key: tuple[Any, ...]
+    envs: list[dict[str, str]] = field(default_factory=list)
+
+
+class LocalCluster:
+    """A local ipyparallel cluster owned by this kernel, stopped when the kernel exits.
+
+    Parameters
+    ----------
+    notify : callable
+        Receives the one-line notices a user should see (starting, resizing, replacing).
+    """
+
+    def __init__(self, *, notify: Callable[[str], None] = log.info) -> None:
+        self._notify = notify
+        self._cluster: Any = None
+        self._client: Any = None
+        self.engines: list[EngineInfo] = []
+        self.warm: set[str] = set()
+        self.rendezvous: dict[str, Rendezvous] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._cluster is not None
+
+    @property
+    def size(self) -> int:
+        return len(self.engines)
+
+    def start(self, n: int | None = None) -> None:
+        """Start a controller on loopback and ``n`` engines, and learn what each can use."""
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        if self.running:
+            return
+        n = n or default_workers()
+        self._check_gpus(n)
+        config = Config()
+        # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
+        config.LocalProcessLauncher.stop_seconds_until_kill = 1
+        self._notify(f"nbdist: starting {n} workers (local ipyparallel cluster on {LOOPBACK})")
+        start = time.perf_counter()
+        cluster = ipp.Cluster(
+            n=n,
+            controller_ip=LOOPBACK,
+            log_level=logging.WARNING,
+            config=config,
+            load_profile=False,
+        )
+        try:
+            cluster.start_cluster_sync()
+            self._cluster = cluster
+            self._client = cluster.connect_client_sync()
+            self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
+            self._learn_engines()
+        except Exception as e:
+            self.stop()
+            raise ClusterError(
+                f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
+                "this kernel's environment, then run %distrain start again."
+            ) from e
+        log.info("cluster with %d engines up in %.1f s", n, time.perf_counter() - start)
+
+    def stop(self) -> None:
+        """Stop engines and controller; no process is left behind."""
+        cluster, client = self._cluster, self._client
+        self._cluster = self._client = None
+        self._forget_engines()
+        if client is not None:
+            try:
+                # Ask engines to exit; a SIGTERM is ignored by engines blocked in a collective.
+                client.shutdown(targets="all", hub=False, block=True)
+            except Exception:  # dead or stuck engines: the launcher's SIGKILL deals with them
+                log.debug("engine shutdown request failed", exc_info=True)
+            try:
+                client.close()
+            except Exception:  # a closing client can only fail on its own sockets
+                log.debug("client close failed", exc_info=True)
+        if cluster is not None:
+            cluster.stop_cluster_sync()
+
+    def restart(self, n: int | None = None) -> None:
+        n = n or self.size or None
+        self.stop()
+        self.start(n)
+
+    def ensure(self, n: int | None) -> None:
+        """Have a cluster of ``n`` engines (keep the running one when ``n`` is None or equal)."""
+        if not self.running:
+            self.start(n)
+        elif n is not None and n != self.size:
+            self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
+            self.replace_engines(n)
+
+    def replace_engines(self, n: int | None = None) -> None:
+        """Stop every engine and start ``n`` fresh ones under the same controller."""
+        n = n or self.size
+        self._check_gpus(n)
+        self._forget_engines()
+        self._cluster.stop_engines_sync()
+        self._cluster.start_engines_sync(n)
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while len(self._client.ids) != n:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(self._client.ids)} of {n} engines came back; run %distrain restart"
+                )
+            time.sleep(0.05)
+        self._learn_engines()
+
+    def _forget_engines(self) -> None:
+        self.engines = []
+        self.warm = set()
+        self.rendezvous = {}
+
+    def _check_gpus(self, n: int) -> None:
+        from IPython.core.error import UsageError
+
+        gpus = visible_gpus()
+        if gpus and n > len(gpus):
+            raise UsageError(
+                f"%%distrain: -n {n} asks for more workers than the {len(gpus)} visible GPUs "
+                f"(one worker per GPU); use -n {len(gpus)}."
+            )
+
+    def _learn_engines(self) -> None:
+        ids = sorted(self._client.ids)
+        infos = self._client[ids].apply_sync(worker.engine_info)
+        by_host: dict[str, list[int]] = {}
+        for rank, info in enumerate(infos):
+            by_host.setdefault(info["host"], []).append(rank)
+        engines = []
+        for rank, (eid, info) in enumerate(zip(ids, infos, strict=True)):
+            peers = by_host[info["host"]]
+            local_rank = peers.index(rank)
+            gpus = info["gpus"]
+            gpu = gpus[local_rank] if local_rank < len(gpus) else None
+            engines.append(
+                EngineInfo(
+                    rank=rank,
+                    engine_id=eid,
+                    host=info["host"],
+                    address=LOOPBACK,
+                    pid=info["pid"],
+                    gpu=gpu,
+                    cpus=info["cpus"],
+                    local_rank=local_rank,
+                    local_world_size=len(peers),
+                )
+            )
+        self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
+        self.engines = engines
+
+    # -- work ------------------------------------------------------------------------------------
+    def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult."""
+        return self._client[self.engines[rank].engine_id].apply_async(fn, *args, **kwargs)
+
+    def apply_all(self, fn: Callable[..., Any], per_rank: Callable[[EngineInfo], dict]) -> list:
+        """Run ``fn(**per_rank(engine))`` on every engine at once; results in rank order."""
+        ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in self.engines]
+        return [ar.get() for ar in ars]
+
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """SIGINT the engines of ``ranks`` (a KeyboardInterrupt in the running cell)."""
+        targets = [self.engines[r].engine_id for r in ranks]
+        if targets:
+            self._client.send_signal(signal.SIGINT, targets=targets, block=False)
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """SIGKILL the engines of ``ranks``: for ranks that ignored the interrupt."""
+        for r in ranks:
+            try:
+                os.kill(self.engines[r].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def dead(self, ranks: Sequence[int]) -> list[int]:
+        """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
+        import psutil
+
+        gone = []
+        for r in ranks:
+            try:
+                if psutil.Process(self.engines[r].pid).status() == psutil.STATUS_ZOMBIE:
+                    gone.append(r)
+            except psutil.NoSuchProcess:
+                gone.append(r)
+        return gone
+
+    def busy(self) -> dict[int, int]:
+        """Tasks queued or running per rank."""
+        status = self._client.queue_status()
+        return {
+            e.rank: status.get(e.engine_id, {}).get("queue", 0)
+            + status.get(e.engine_id, {}).get("tasks", 0)
+            for e in self.engines
+        }
+
+    def status_text(self) -> str:
+        if not self.running:
+            return "nbdist: no cluster running. %distrain start [-n N] starts one."
+        busy = self.busy()
+        lines = [f"nbdist: {self.size} workers on a local ipyparallel cluster ({LOOPBACK})"]
+        lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
+        for e in self.engines:
+            state = "busy" if busy.get(e.rank) else "idle"
+            gpu = e.gpu if e.gpu is not None else "-"
+            lines.append(
+                f"{e.rank:>4}  {e.engine_id:>6}  {e.host:<20} {e.pid:>8}  {gpu:<5} {state}"
+            )
+        if self.warm:
+            lines.append(f"frameworks loaded: {', '.join(sorted(self.warm))}")
+        return "\n".join(lines)

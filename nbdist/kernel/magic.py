@@ -1,0 +1,156 @@
+"""The ``%%distrain`` cell magic and the ``%distrain`` line magic."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.options import _positive_int, parse_run_options, run_parser
+from nbdist.kernel.runner import Runner
+
+_DOC = """Run a cell as a distributed training job, one worker per GPU (2 on CPU).
+
+Cell magic::
+
+    %%distrain [-n N] [--framework torch] [--backend gloo|nccl] [--push A,B] [--pull X,Y]
+               [-o NAME] [--ranks R,S] [--timeout S]
+
+Line magic::
+
+    %distrain start [-n N]    start the workers now (the first %%distrain does it otherwise)
+    %distrain stop            stop every worker and the controller
+    %distrain restart [-n N]  fresh workers (after a crash, or to change N)
+    %distrain status          workers, hosts, GPUs, busy/idle
+
+The cell runs on every worker at once, as rank 0 .. N-1 of one job. Before it starts the
+process group is ready (``torch.distributed``: nccl with GPUs, gloo without), and the cell
+sees these names:
+
+    rank, world_size          this worker's rank and the number of workers
+    local_rank, local_world_size   the same, counted on this worker's host
+    is_main                   rank == 0: print, save and evaluate only there
+    device                    torch.device to put the model on (cuda:0 of this worker's own GPU, or cpu)
+    torch, nn, dist           torch, torch.nn, torch.distributed
+
+Each cell is a self-contained job: variables do not carry from one %%distrain cell to the
+next. Send notebook data in with ``--push`` and bring rank 0's results back with ``--pull``.
+A cell written for torchrun that calls ``dist.init_process_group(...)`` itself works as it
+is: nbdist has already set up the group and skips the second initialisation.
+
+Output of every rank streams into the cell, prefixed ``[rank N]`` (``--ranks 0`` shows one).
+If a rank raises, the others are stopped within seconds and the error names the rank, the
+line of the cell and the remote traceback; the next ``%%distrain`` works as usual.
+
+Examples
+--------
+A DDP model trained on 2 CPU workers; every rank ends with the same parameters::
+
+    %load_ext nbdist
+
+    %%distrain -n 2 -o result
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(10, 1).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 10), torch.randn(64, 1)
+    for step in range(20):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[rank::world_size]), y[rank::world_size])
+        loss.backward()
+        opt.step()
+    if is_main:
+        print(f"final loss {loss.item():.4f}")
+    loss.item()                      # result.values holds each rank's value
+
+Data in, results out::
+
+    data = torch.randn(256, 10)
+
+    %%distrain --push data --pull weights
+    weights = data[rank::world_size].mean(0)
+
+Flags
+-----
+"""
+
+
+def _doc() -> str:
+    return _DOC + run_parser().format_help()
+
+
+class _SubParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(
+            f"%distrain: {message}. Use %distrain start [-n N] | stop | restart [-n N] | status."
+        )
+
+
+def _subcommand_parser() -> argparse.ArgumentParser:
+    p = _SubParser(prog="%distrain", add_help=False, allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_SubParser)
+    for name in ("start", "restart"):
+        sp = sub.add_parser(name, add_help=False)
+        sp.add_argument("-n", "--workers", type=_positive_int, metavar="N")
+    sub.add_parser("stop", add_help=False)
+    sub.add_parser("status", add_help=False)
+    return p
+
+
+@magics_class
+class DistrainMagics(Magics):
+    """Holds this kernel's cluster and runner; one instance per ``%load_ext nbdist``."""
+
+    def __init__(self, shell) -> None:
+        super().__init__(shell)
+        self.cluster = LocalCluster(notify=self._notify)
+        self.runner = Runner(self.cluster, notify=self._notify)
+
+    @staticmethod
+    def _notify(message: str) -> None:
+        print(message, file=sys.stdout, flush=True)
+
+    @line_cell_magic
+    def distrain(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._subcommand(line)
+        opts = parse_run_options(line)
+        self.runner.run(opts, cell, self.shell.user_ns)
+        return None
+
+    def _subcommand(self, line: str) -> None:
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"%distrain: cannot split {line!r} ({e})") from None
+        if not argv:
+            raise UsageError(
+                "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status. "
+                "To run a cell, put %%distrain (two %) on its first line."
+            )
+        ns = _subcommand_parser().parse_args(argv)
+        if ns.command == "start":
+            if self.cluster.running:
+                self.cluster.ensure(ns.workers)
+            else:
+                self.cluster.start(ns.workers)
+            print(self.cluster.status_text())
+        elif ns.command == "restart":
+            self._notify("nbdist: restarting the workers")
+            self.cluster.restart(ns.workers)
+            print(self.cluster.status_text())
+        elif ns.command == "stop":
+            was = self.cluster.running
+            self.cluster.stop()
+            print("nbdist: cluster stopped" if was else "nbdist: no cluster was running")
+        else:
+            print(self.cluster.status_text())
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+
+DistrainMagics.distrain.__doc__ = _doc()

@@ -1,0 +1,129 @@
+"""``%%distrain`` flags → a frozen :class:`RunOptions`, and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass
+
+from IPython.core.error import UsageError
+
+from nbdist.engine.backends import FRAMEWORKS
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """Everything a ``%%distrain`` line says, validated.
+
+    ``None`` means "not given": the runner then picks the default (one worker per GPU or 2 on
+    CPU, the framework the cell uses, nccl with GPUs and gloo without, no time limit).
+    """
+
+    workers: int | None = None
+    framework: str | None = None
+    backend: str | None = None
+    push: tuple[str, ...] = ()
+    pull: tuple[str, ...] = ()
+    out: str | None = None
+    ranks: tuple[int, ...] | None = None
+    timeout: float | None = None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as IPython UsageErrors instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"%%distrain: {message}. Type %%distrain? for the flags and examples.")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise UsageError(message or f"%%distrain: exited with status {status}")
+
+
+def _names(flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        bad = [n for n in names if not n.isidentifier()]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated variable names, e.g. {flag} model,data "
+                f"(got {text!r})"
+            )
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}; try -n 2")
+    return value
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks like 0 or 0,1, got {text!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected ranks like 0 or 0,1, got {text!r}")
+    return ranks
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """The parser behind ``%%distrain``; its help is part of the magic's docstring."""
+    p = _Parser(prog="%%distrain", add_help=False, allow_abbrev=False)
+    p.add_argument("-n", "--workers", type=_positive_int, metavar="N",
+                   help="number of workers (default: one per GPU, 2 on a CPU-only machine)")
+    p.add_argument("--framework", choices=FRAMEWORKS,
+                   help="framework of the cell (default: inferred from the cell)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="torch.distributed backend (default: nccl with GPUs, gloo without)")
+    p.add_argument("--push", type=_names("--push"), default=(), metavar="A,B",
+                   help="notebook variables to send to every worker")
+    p.add_argument("--pull", type=_names("--pull"), default=(), metavar="X,Y",
+                   help="variables to bring back from rank 0 into the notebook")
+    p.add_argument("-o", "--out", metavar="NAME",
+                   help="store the result object (values, times, output per rank) as NAME")
+    p.add_argument("--ranks", type=_ranks, metavar="R,S",
+                   help="show the output of these ranks only (default: all)")
+    p.add_argument("--timeout", type=_seconds, metavar="S",
+                   help="stop the whole job after S seconds")
+    return p
+
+
+def parse_run_options(line: str) -> RunOptions:
+    """Parse a ``%%distrain`` line; raises ``UsageError`` with the fix on any mistake."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"%%distrain: cannot split the flags ({e}); check the quotes") from None
+    ns = run_parser().parse_args(argv)
+    if ns.out is not None and not ns.out.isidentifier():
+        raise UsageError(f"%%distrain: -o needs a variable name, got {ns.out!r}; e.g. -o result")
+    return RunOptions(
+        workers=ns.workers,
+        framework=ns.framework,
+        backend=ns.backend,
+        push=ns.push,
+        pull=ns.pull,
+        out=ns.out,
+        ranks=ns.ranks,
+        timeout=ns.timeout,
+    )

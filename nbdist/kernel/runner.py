@@ -1,0 +1,371 @@
+"""One ``%%distrain`` run: rendezvous, submit, stream output, watch, gather, report.
+
+Stopping a job that went wrong escalates, each step bounded (times from ``shared/NOTES.md`` and
+this project's fault tests):
+
+1. A rank that raises tears its own process group down on the engine, which frees peers blocked
+   in a collective within about a second; they report a lost peer and clean up too.
+2. Ranks still running ``PEER_GRACE_S`` later (or at ``--timeout``, or on the notebook's
+   interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
+3. Ranks still running ``KILL_GRACE_S`` after that are killed and every engine is replaced, so
+   the next run starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from IPython.core.error import UsageError
+
+from nbdist.engine import backends, worker
+from nbdist.engine.spec import RankSpec
+from nbdist.errors import (
+    JobInterrupted,
+    JobTimeout,
+    RankFailure,
+    WorkerDied,
+    WorkerError,
+)
+from nbdist.kernel.cluster import LocalCluster, Rendezvous
+from nbdist.kernel.options import RunOptions
+from nbdist.kernel.result import DistrainResult, RankResult
+from nbdist.kernel.source import infer_framework, parse_cell
+
+log = logging.getLogger(__name__)
+
+PEER_GRACE_S = 3.0
+KILL_GRACE_S = 4.0
+POLL_S = 0.02
+LIVENESS_EVERY_S = 0.25
+
+
+class _RankOutput:
+    """Forwards one rank's new stdout/stderr lines to the cell, prefixed ``[rank N]``."""
+
+    def __init__(self, rank: int, visible: bool, out: TextIO, err: TextIO) -> None:
+        self.rank, self.visible = rank, visible
+        self._sinks = {"stdout": out, "stderr": err}
+        self._seen = {"stdout": 0, "stderr": 0}
+        self._partial = {"stdout": "", "stderr": ""}
+
+    def pump(self, ar: Any, final: bool = False) -> None:
+        for name in ("stdout", "stderr"):
+            text = getattr(ar, name) or ""
+            new, self._seen[name] = text[self._seen[name] :], len(text)
+            if not self.visible or not (new or final):
+                continue
+            buf = self._partial[name] + new
+            lines = buf.split("\n")
+            self._partial[name] = "" if final else lines.pop()
+            sink = self._sinks[name]
+            for line in lines:
+                if line or not final:
+                    sink.write(f"[rank {self.rank}] {line}\n")
+            sink.flush()
+
+
+def check_push(names: tuple[str, ...], user_ns: dict[str, Any]) -> dict[str, Any]:
+    """The notebook variables to push, or a ``UsageError`` naming the one that can't go."""
+    values = {}
+    for name in names:
+        if name not in user_ns:
+            raise UsageError(
+                f"%%distrain: --push {name}: no variable {name!r} in the notebook; define it "
+                "in a cell above, or check the spelling."
+            )
+        try:
+            pickle.dumps(user_ns[name])
+        except Exception as e:
+            raise UsageError(
+                f"%%distrain: --push {name}: a {type(user_ns[name]).__name__} cannot be sent to "
+                f"the workers ({type(e).__name__}: {e}). Push plain data (arrays, tensors, "
+                "dicts) and build objects like models and loaders inside the cell."
+            ) from None
+        values[name] = user_ns[name]
+    return values
+
+
+@dataclass
+class _Watch:
+    """Why the job is being stopped, and when each escalation step happened."""
+
+    reason: str | None = None  # "failure", "timeout", "interrupt", "died"
+    since: float = 0.0
+    interrupted: bool = False
+    killed: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+
+    def start(self, reason: str, now: float) -> None:
+        if self.reason is None:
+            self.reason, self.since = reason, now
+
+
+class Runner:
+    """Runs cells on a :class:`LocalCluster`; one instance per notebook kernel."""
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        *,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self._out, self._err = out, err
+        self._notify = notify or (lambda msg: print(msg, file=self.out))
+        self._run_id = 0
+
+    @property
+    def out(self) -> TextIO:
+        return self._out or sys.stdout
+
+    @property
+    def err(self) -> TextIO:
+        return self._err or sys.stderr
+
+    # -- preparation -----------------------------------------------------------------------------
+    def _check_backend(self, opts: RunOptions, framework: str) -> None:
+        if opts.backend is not None and framework != "torch":
+            raise UsageError(f"%%distrain: --backend is for torch cells; drop it for {framework}.")
+        if opts.backend == "nccl" and not any(e.gpu for e in self.cluster.engines):
+            raise UsageError(
+                "%%distrain: --backend nccl needs GPUs and this cluster has none. "
+                "Use --backend gloo, or drop --backend to get gloo on CPU."
+            )
+
+    def _warm_up(self, framework: str) -> None:
+        if framework in self.cluster.warm:
+            return
+        self.cluster.apply_all(
+            worker.warm_up,
+            lambda e: {
+                "framework": framework,
+                "local_world_size": e.local_world_size,
+                "cpus": e.cpus,
+            },
+        )
+        self.cluster.warm.add(framework)
+
+    def _rendezvous(self, framework: str, opts: RunOptions) -> list[dict[str, str]]:
+        key = (framework, opts.backend)
+        live = self.cluster.rendezvous.get(framework)
+        if live is not None and live.key == key:
+            return live.envs
+        world = self.cluster.size
+        hosts = [e.address for e in self.cluster.engines]
+        options = {"master_addr": hosts[0]}
+        prepared = self.cluster.apply_all(
+            worker.prepare,
+            lambda e: {
+                "framework": framework,
+                "rank": e.rank,
+                "world_size": world,
+                "options": options,
+            },
+        )
+        envs = backends.load(framework).rendezvous(hosts, prepared)
+        self.cluster.rendezvous[framework] = Rendezvous(key=key, envs=envs)
+        return envs
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult:
+        tree = parse_cell(source)
+        framework = infer_framework(tree, opts.framework)
+        push = check_push(opts.push, user_ns)
+        self.cluster.ensure(opts.workers)
+        if opts.ranks is not None and max(opts.ranks) >= self.cluster.size:
+            raise UsageError(
+                f"%%distrain: --ranks {max(opts.ranks)} does not exist; ranks go from 0 to "
+                f"{self.cluster.size - 1}."
+            )
+        self._check_backend(opts, framework)
+        self._warm_up(framework)
+        envs = self._rendezvous(framework, opts)
+        self._run_id += 1
+        filename = f"<%%distrain cell {self._run_id}>"
+        specs = [
+            RankSpec(
+                run_id=self._run_id,
+                framework=framework,
+                source=source,
+                filename=filename,
+                rank=e.rank,
+                world_size=self.cluster.size,
+                local_rank=e.local_rank,
+                local_world_size=e.local_world_size,
+                env=envs[e.rank],
+                options={"backend": opts.backend} if opts.backend else {},
+                push=push,
+                pull=opts.pull if e.rank == 0 else (),
+            )
+            for e in self.cluster.engines
+        ]
+        result, pulled = self._execute(specs, opts, framework)
+        user_ns.update(pulled)
+        if opts.out is not None:
+            user_ns[opts.out] = result
+        return result
+
+    def _execute(
+        self, specs: list[RankSpec], opts: RunOptions, framework: str
+    ) -> tuple[DistrainResult, dict[str, Any]]:
+        start = time.monotonic()
+        ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in specs]
+        outputs = [
+            _RankOutput(s.rank, opts.ranks is None or s.rank in opts.ranks, self.out, self.err)
+            for s in specs
+        ]
+        watch = self._watch(ars, outputs, opts, start)
+        wall = time.monotonic() - start
+        for ar, output in zip(ars, outputs, strict=True):
+            output.pump(ar, final=True)
+
+        if watch.killed or watch.dead:
+            lost = sorted(set(watch.killed) | set(watch.dead))
+            self._notify(
+                f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
+                f"{', '.join(map(str, lost))} had to be killed or died)"
+            )
+            hosts_pids = {r: (self.cluster.engines[r].host, self.cluster.engines[r].pid) for r in lost}
+            self.cluster.replace_engines()
+        else:
+            hosts_pids = {}
+
+        reports, failures, stopped = self._collect(ars, specs, watch)
+        backend = backends.load(framework)
+        if failures or watch.reason is not None:
+            if not backend.KEEPS_RENDEZVOUS_AFTER_FAILURE:
+                self.cluster.rendezvous.pop(framework, None)
+
+        if watch.dead:
+            where = ", ".join(
+                f"rank {r} (host {hosts_pids[r][0]}, pid {hosts_pids[r][1]})" for r in watch.dead
+            )
+            raise WorkerDied(
+                f"{where} died during the job; the engines were replaced and the next "
+                "%%distrain will run on fresh workers."
+            )
+        if any(f.exc_type != "KeyboardInterrupt" for f in failures):
+            raise WorkerError(failures, stopped=stopped)
+        if watch.reason == "timeout":
+            raise JobTimeout(
+                f"the job ran past --timeout {opts.timeout:g} s; stopped "
+                f"ranks {', '.join(map(str, stopped or range(len(specs))))}. "
+                "Raise --timeout or make the cell shorter."
+            )
+        if watch.reason == "interrupt":
+            raise JobInterrupted(
+                f"interrupted; stopped ranks {', '.join(map(str, stopped or range(len(specs))))}. "
+                "The cluster is ready for the next %%distrain."
+            )
+
+        ranks = tuple(
+            RankResult(
+                rank=s.rank,
+                host=reports[s.rank]["host"],
+                value=reports[s.rank].get("value"),
+                value_repr=reports[s.rank].get("value_repr"),
+                wall=reports[s.rank]["wall"],
+                stdout=ars[s.rank].stdout or "",
+                stderr=ars[s.rank].stderr or "",
+            )
+            for s in specs
+        )
+        result = DistrainResult(framework=framework, world_size=len(specs), wall=wall, ranks=ranks)
+        return result, reports[0].get("pulled") or {}
+
+    def _watch(
+        self, ars: list[Any], outputs: list[_RankOutput], opts: RunOptions, start: float
+    ) -> _Watch:
+        """Poll until every rank is done, escalating when something goes wrong."""
+        watch = _Watch()
+        next_liveness = 0.0
+        while True:
+            try:
+                for ar, output in zip(ars, outputs, strict=True):
+                    output.pump(ar)
+                pending = [r for r, ar in enumerate(ars) if not ar.ready()]
+                if not pending:
+                    return watch
+                now = time.monotonic()
+                if watch.reason is None:
+                    if any(ars[r].ready() and _failed(ars[r]) for r in range(len(ars))):
+                        watch.start("failure", now)
+                    elif opts.timeout is not None and now - start > opts.timeout:
+                        watch.start("timeout", now - PEER_GRACE_S)
+                if now >= next_liveness:
+                    next_liveness = now + LIVENESS_EVERY_S
+                    dead = [r for r in self.cluster.dead(pending) if r not in watch.dead]
+                    if dead:
+                        watch.dead.extend(dead)
+                        watch.start("died", now)
+                if watch.reason is not None:
+                    waited = now - watch.since
+                    if not watch.interrupted and waited >= PEER_GRACE_S:
+                        watch.interrupted = True
+                        self.cluster.interrupt(pending)
+                    elif watch.interrupted and waited >= PEER_GRACE_S + KILL_GRACE_S:
+                        alive = [r for r in pending if r not in watch.dead]
+                        self.cluster.kill(alive)
+                        watch.killed.extend(alive)
+                        return watch
+                    if watch.dead and set(pending) <= set(watch.dead):
+                        return watch
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
+                    watch.since = time.monotonic() - PEER_GRACE_S - KILL_GRACE_S
+                else:
+                    watch.reason = "interrupt"
+                    watch.since = time.monotonic() - PEER_GRACE_S
+                    watch.interrupted = False
+
+    def _collect(
+        self, ars: list[Any], specs: list[RankSpec], watch: _Watch
+    ) -> tuple[dict[int, dict], list[RankFailure], list[int]]:
+        """Reports of the ranks that finished; failures; ranks that had to be stopped."""
+        reports: dict[int, dict] = {}
+        failures: list[RankFailure] = []
+        stopped: list[int] = []
+        for spec, ar in zip(specs, ars, strict=True):
+            r = spec.rank
+            if not ar.ready() or r in watch.dead:
+                if r not in watch.dead:
+                    stopped.append(r)
+                continue
+            try:
+                report = ar.get(0)
+            except Exception as e:  # the engine itself failed to run the task
+                failures.append(
+                    RankFailure(
+                        rank=r,
+                        host=self.cluster.engines[r].host if r < self.cluster.size else "?",
+                        exc_type=type(e).__name__,
+                        message=str(e),
+                        traceback=str(e),
+                        time=time.time(),
+                    )
+                )
+                continue
+            reports[r] = report
+            if report["failure"] is not None:
+                f = report["failure"]
+                if f["exc_type"] == "KeyboardInterrupt" and watch.interrupted:
+                    stopped.append(r)
+                    continue
+                failures.append(RankFailure(**f))
+        return reports, failures, stopped
+
+
+def _failed(ar: Any) -> bool:
+    try:
+        return ar.get(0)["failure"] is not None
+    except Exception:
+        return True

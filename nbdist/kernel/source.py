@@ -1,0 +1,62 @@
+"""Checks on the cell's source before anything is sent to the engines."""
+
+from __future__ import annotations
+
+import ast
+
+from IPython.core.error import UsageError
+
+from nbdist.engine.backends import FRAMEWORKS
+
+# Top-level module names (imports) and bare names a cell of each framework uses.
+_FRAMEWORK_MARKERS = {
+    "torch": {"torch", "nn", "dist", "DistributedDataParallel", "DDP"},
+    "tf": {"tensorflow", "tf", "keras", "strategy"},
+}
+
+
+def parse_cell(source: str) -> ast.Module:
+    """Parse the cell, or raise ``UsageError`` naming the line, before any engine is involved."""
+    if not source.strip():
+        raise UsageError(
+            "%%distrain: the cell is empty. Put the training code below the %%distrain line."
+        )
+    try:
+        return ast.parse(source, "<%%distrain cell>")
+    except SyntaxError as e:
+        where = f"cell line {e.lineno}" if e.lineno else "the cell"
+        text = f": {e.text.strip()}" if e.text else ""
+        raise UsageError(
+            f"%%distrain: syntax error at {where}{text} ({e.msg}). Nothing was run; fix the line "
+            "and run the cell again."
+        ) from None
+
+
+def used_frameworks(tree: ast.Module) -> set[str]:
+    """Frameworks the cell's imports and names point at."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+    return {fw for fw, markers in _FRAMEWORK_MARKERS.items() if names & markers}
+
+
+def infer_framework(tree: ast.Module, explicit: str | None) -> str:
+    """The framework to run the cell with: ``--framework`` if given, else what the cell uses."""
+    if explicit is not None:
+        return explicit
+    found = used_frameworks(tree) & set(FRAMEWORKS)
+    if len(found) == 1:
+        return found.pop()
+    if not found and len(FRAMEWORKS) == 1:
+        return FRAMEWORKS[0]
+    choices = "|".join(FRAMEWORKS)
+    what = "both " + " and ".join(sorted(found)) if found else "neither framework"
+    raise UsageError(
+        f"%%distrain: cannot tell which framework this cell is for (it uses {what}). "
+        f"Add --framework {choices} to the %%distrain line."
+    )
