@@ -5,9 +5,7 @@ Load it with ``%load_ext nbdist``; ``%%distrain?`` shows the flags and examples.
 needs them.
 """
 
-from __future__ import annotations
-
-from typing import Any
+from typing import Any as _Any
 
 from nbdist.errors import (
     ClusterError,
@@ -41,14 +39,15 @@ __all__ = [
     "unload_ipython_extension",
 ]
 
-def load_ipython_extension(ipython: Any) -> None:
+
+def load_ipython_extension(ipython: _Any) -> None:
     """``%load_ext nbdist``: register ``%%distrain`` / ``%distrain`` in this kernel."""
     from nbdist.kernel.magic import DistrainMagics
 
     ipython.register_magics(DistrainMagics(ipython))
 
 
-def unload_ipython_extension(ipython: Any) -> None:
+def unload_ipython_extension(ipython: _Any) -> None:
     """``%unload_ext nbdist``: stop the cluster this kernel started."""
     magics = ipython.magics_manager.registry.pop("DistrainMagics", None)
     if magics is not None:

@@ -155,7 +155,7 @@ class WorkerError(DistrainError):
         return "\n".join(parts) if parts else "the job failed"
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"WorkerError: {self._message()}", ""]
+        lines = [*f"WorkerError: {self._message()}".splitlines(), ""]
         for members, f in self._groups():
             lines.append(f"--- remote traceback, {_ranks_text([m.rank for m in members])} ---")
             lines.extend(f.traceback.rstrip("\n").splitlines())

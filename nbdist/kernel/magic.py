@@ -34,7 +34,7 @@ sees these names:
     rank, world_size          this worker's rank and the number of workers
     local_rank, local_world_size   the same, counted on this worker's host
     is_main                   rank == 0: print, save and evaluate only there
-    device                    torch.device to put the model on (cuda:0 of this worker's own GPU, or cpu)
+    device                    where to put the model: cuda:0 (this worker's own GPU) or cpu
     torch, nn, dist           torch, torch.nn, torch.distributed
 
 Each cell is a self-contained job: variables do not carry from one %%distrain cell to the

@@ -60,7 +60,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of workers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of workers, got {text!r}"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}; try -n 2")
     return value
@@ -89,22 +91,52 @@ def _seconds(text: str) -> float:
 def run_parser() -> argparse.ArgumentParser:
     """The parser behind ``%%distrain``; its help is part of the magic's docstring."""
     p = _Parser(prog="%%distrain", add_help=False, allow_abbrev=False)
-    p.add_argument("-n", "--workers", type=_positive_int, metavar="N",
-                   help="number of workers (default: one per GPU, 2 on a CPU-only machine)")
-    p.add_argument("--framework", choices=FRAMEWORKS,
-                   help="framework of the cell (default: inferred from the cell)")
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="torch.distributed backend (default: nccl with GPUs, gloo without)")
-    p.add_argument("--push", type=_names("--push"), default=(), metavar="A,B",
-                   help="notebook variables to send to every worker")
-    p.add_argument("--pull", type=_names("--pull"), default=(), metavar="X,Y",
-                   help="variables to bring back from rank 0 into the notebook")
-    p.add_argument("-o", "--out", metavar="NAME",
-                   help="store the result object (values, times, output per rank) as NAME")
-    p.add_argument("--ranks", type=_ranks, metavar="R,S",
-                   help="show the output of these ranks only (default: all)")
-    p.add_argument("--timeout", type=_seconds, metavar="S",
-                   help="stop the whole job after S seconds")
+    p.add_argument(
+        "-n",
+        "--workers",
+        type=_positive_int,
+        metavar="N",
+        help="number of workers (default: one per GPU, 2 on a CPU-only machine)",
+    )
+    p.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        help="framework of the cell (default: inferred from the cell)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="torch.distributed backend (default: nccl with GPUs, gloo without)",
+    )
+    p.add_argument(
+        "--push",
+        type=_names("--push"),
+        default=(),
+        metavar="A,B",
+        help="notebook variables to send to every worker",
+    )
+    p.add_argument(
+        "--pull",
+        type=_names("--pull"),
+        default=(),
+        metavar="X,Y",
+        help="variables to bring back from rank 0 into the notebook",
+    )
+    p.add_argument(
+        "-o",
+        "--out",
+        metavar="NAME",
+        help="store the result object (values, times, output per rank) as NAME",
+    )
+    p.add_argument(
+        "--ranks",
+        type=_ranks,
+        metavar="R,S",
+        help="show the output of these ranks only (default: all)",
+    )
+    p.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="stop the whole job after S seconds"
+    )
     return p
 
 

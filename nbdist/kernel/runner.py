@@ -233,7 +233,9 @@ class Runner:
                 f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
                 f"{', '.join(map(str, lost))} had to be killed or died)"
             )
-            hosts_pids = {r: (self.cluster.engines[r].host, self.cluster.engines[r].pid) for r in lost}
+            hosts_pids = {
+                r: (self.cluster.engines[r].host, self.cluster.engines[r].pid) for r in lost
+            }
             self.cluster.replace_engines()
         else:
             hosts_pids = {}

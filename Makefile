@@ -1,0 +1,36 @@
+# `make demo` and `make test` each set up .venv from nothing, then run.
+#
+# TORCH is the torch requirement installed before nbdist. The default, torch==2.13.0, is the CPU
+# build on this project's CI machines. On your own machine install torch your own way first
+# (CUDA, ROCm or CPU) and run `make test TORCH=`: nbdist's extras accept any torch >= 2.1.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.nbdist-installed
+
+.PHONY: demo notebooks test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q -e ".[torch,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/run_notebook.py notebooks/01_first_distributed_cell.ipynb build/01_first_distributed_cell.ipynb
+
+# Re-execute the tutorials in place: their stored outputs are what nbval compares against.
+notebooks: $(STAMP)
+	$(PY) scripts/run_notebook.py --inplace notebooks/*.ipynb
+
+test: $(STAMP)
+	$(PY) -m ruff check nbdist tests
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check nbdist tests
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,37 @@
+import pytest
+from IPython.core.error import UsageError
+
+
+def test_docstring_teaches(shell):
+    doc = shell.find_cell_magic("distrain").__doc__
+    assert "%%distrain -n 2 -o result" in doc
+    assert "--push" in doc and "--pull" in doc and "--timeout" in doc
+    assert "%distrain status" in doc
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("", "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status"),
+        ("launch", "invalid choice: 'launch'"),
+        ("start -n 0", "needs at least 1 worker"),
+    ],
+)
+def test_bad_subcommands(shell, line, expected):
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("distrain", line)
+    assert expected in str(info.value)
+
+
+def test_cell_errors_before_any_engine_starts(shell, magics):
+    running = magics.cluster.running
+    with pytest.raises(UsageError, match="syntax error at cell line 1"):
+        shell.run_cell_magic("distrain", "", "for\n")
+    with pytest.raises(UsageError, match="the cell is empty"):
+        shell.run_cell_magic("distrain", "", "\n")
+    with pytest.raises(UsageError, match="--push nothere: no variable 'nothere'"):
+        shell.run_cell_magic("distrain", "--push nothere", "x = 1\n")
+    shell.user_ns["gen"] = (i for i in range(3))
+    with pytest.raises(UsageError, match="--push gen: a generator cannot be sent"):
+        shell.run_cell_magic("distrain", "--push gen", "x = 1\n")
+    assert magics.cluster.running == running

@@ -1,0 +1,51 @@
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist.kernel.options import RunOptions, parse_run_options
+
+
+def test_defaults():
+    assert parse_run_options("") == RunOptions()
+
+
+def test_every_flag():
+    opts = parse_run_options(
+        "-n 3 --framework torch --backend gloo --push a,b --pull x --out res --ranks 0,2 "
+        "--timeout 7.5"
+    )
+    assert opts == RunOptions(
+        workers=3,
+        framework="torch",
+        backend="gloo",
+        push=("a", "b"),
+        pull=("x",),
+        out="res",
+        ranks=(0, 2),
+        timeout=7.5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("--workrs 2", "unrecognized arguments: --workrs 2"),
+        ("--work 2", "unrecognized arguments: --work 2"),
+        ("-n 0", "needs at least 1 worker, got 0; try -n 2"),
+        ("-n two", "expected a whole number of workers, got 'two'"),
+        ("--backend mpi", "invalid choice: 'mpi'"),
+        ("--framework jax", "invalid choice: 'jax'"),
+        ("--push 1x", "--push takes comma-separated variable names"),
+        ("--pull ,", "--pull takes comma-separated variable names"),
+        ("-o 'a b'", "-o needs a variable name, got 'a b'"),
+        ("--ranks -1", "expected ranks like 0 or 0,1"),
+        ("--timeout 0", "must be positive"),
+        ("--timeout soon", "expected seconds, got 'soon'"),
+        ("--push 'a", "cannot split the flags"),
+        ("extra", "unrecognized arguments: extra"),
+    ],
+)
+def test_bad_flags_are_usage_errors(line, expected):
+    with pytest.raises(UsageError) as info:
+        parse_run_options(line)
+    assert expected in str(info.value)
+    assert str(info.value).startswith("%%distrain")
