@@ -224,6 +224,8 @@ class Runner:
         ]
         watch = self._watch(ars, outputs, opts, start)
         wall = time.monotonic() - start
+        # ipyparallel may report a dead engine's task as failed before our liveness poll did.
+        watch.dead = sorted(set(watch.dead) | set(self.cluster.dead(range(len(specs)))))
         for ar, output in zip(ars, outputs, strict=True):
             output.pump(ar, final=True)
 

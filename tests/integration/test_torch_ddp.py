@@ -1,0 +1,268 @@
+"""%%distrain on real local ipyparallel engines with real torch.distributed (gloo, CPU)."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist import JobTimeout, WorkerDied, WorkerError
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch]
+
+TRAIN = textwrap.dedent(
+    """
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(512, 10, generator=g)
+    Y = X @ torch.randn(10, 5, generator=g)
+    data = TensorDataset(X, Y)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
+    loader = DataLoader(data, batch_size=32, sampler=sampler)
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)).to(device)
+    model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for epoch in range(FAIL_EPOCHS):
+        sampler.set_epoch(epoch)
+        for step, (xb, yb) in enumerate(loader):
+            FAIL_HOOK
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    (losses[0], losses[-1], [p.detach().clone() for p in model.parameters()])
+    """
+)
+
+
+def train_cell(epochs=4, hook="pass"):
+    return TRAIN.replace("FAIL_EPOCHS", str(epochs)).replace("FAIL_HOOK", hook)
+
+
+@pytest.fixture(scope="module")
+def ready(shell):
+    """A 2-worker cluster with torch warmed up, shared by this module's tests."""
+    shell.run_line_magic("distrain", "start -n 2")
+    shell.run_cell_magic("distrain", "-n 2", "x = 1\n")
+    return shell
+
+
+def _engines_idle(magics, within: float) -> float:
+    """Seconds until every engine reports no running task (fails after ``within``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if not any(magics.cluster.busy().values()):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"engines still busy after {within} s: {magics.cluster.busy()}")
+
+
+def test_ddp_mlp_trains_and_parameters_match(ready):
+    ready.run_cell_magic("distrain", "-n 2 -o res", train_cell())
+    res = ready.user_ns["res"]
+    assert res.world_size == 2
+    (first0, last0, params0), (first1, last1, params1) = res.values
+    assert last0 < 0.75 * first0 and last1 < 0.75 * first1
+    assert len(params0) == len(params1) == 4
+    for a, b in zip(params0, params1, strict=True):
+        assert a.equal(b)
+
+
+def test_rank_env_is_exact_and_restored(ready, magics):
+    cell = (
+        "import os\n"
+        "{k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',"
+        " 'MASTER_ADDR')}, (rank, world_size, local_rank, local_world_size, is_main, str(device))"
+    )
+    ready.run_cell_magic("distrain", "-o res", cell)
+    envs = [v[0] for v in ready.user_ns["res"].values]
+    assert envs == [
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+        },
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+        },
+    ]
+    assert [v[1] for v in ready.user_ns["res"].values] == [
+        (0, 2, 0, 2, True, "cpu"),
+        (1, 2, 1, 2, False, "cpu"),
+    ]
+
+    # Read the engines' environment directly, outside any run.
+    leftover = (
+        "sorted(k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')"
+        " if k in __import__('os').environ)"
+    )
+    assert [magics.cluster.apply_async(r, eval, leftover).get(10) for r in (0, 1)] == [[], []]
+
+
+def test_five_consecutive_runs_warm(ready):
+    for _ in range(5):
+        start = time.monotonic()
+        ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+        assert time.monotonic() - start < 5
+        first, last, _ = ready.user_ns["res"].values[0]
+        assert last < first
+
+
+def test_output_streams_with_rank_prefix(ready, capsys):
+    ready.run_cell_magic("distrain", "", "print(f'hello from {rank}')\n")
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0\n" in out and "[rank 1] hello from 1\n" in out
+    ready.run_cell_magic("distrain", "--ranks 1", "print(f'hello from {rank}')\n")
+    out = capsys.readouterr().out
+    assert "[rank 1] hello from 1\n" in out and "[rank 0]" not in out
+
+
+def test_push_and_pull(ready):
+    import torch
+
+    ready.user_ns["base"] = torch.arange(4.0)
+    ready.run_cell_magic(
+        "distrain", "--push base --pull total,doubled", "total = base.sum().item() + rank\n"
+        "doubled = base * 2\n"
+    )
+    assert ready.user_ns["total"] == 6.0
+    assert ready.user_ns["doubled"].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_pull_of_missing_name_names_it(ready):
+    with pytest.raises(WorkerError) as info:
+        ready.run_cell_magic("distrain", "--pull nothere", "x = 1\n")
+    assert "--pull nothere: the cell defines no variable 'nothere' on rank 0" in str(info.value)
+
+
+def test_seed_snippet_with_its_own_init_process_group(ready):
+    """The article's PyTorch snippet: indentation fixed, nn.DataParallel removed, gloo, a loader."""
+    seed = textwrap.dedent(
+        """
+        import torch
+        import torch.nn as nn
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        dist.init_process_group(backend='gloo')
+        data = TensorDataset(torch.randn(256, 10), torch.randn(256, 5))
+        train_loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data))
+        model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+        model = DDP(model)
+        loss_fn = nn.MSELoss()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+        for data, target in train_loader:
+            optimizer.zero_grad()
+            output = model(data)
+            loss = loss_fn(output, target)
+            loss.backward()
+            optimizer.step()
+        dist.destroy_process_group()
+        dist.get_world_size(), sum(p.sum().item() for p in model.parameters())
+        """
+    )
+    ready.run_cell_magic("distrain", "-o res", seed)
+    (w0, s0), (w1, s1) = ready.user_ns["res"].values
+    assert (w0, w1) == (2, 2)
+    assert s0 == s1
+    # nbdist kept its group: the next run reuses it.
+    ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
+    assert ready.user_ns["res"].values == [2, 2]
+
+
+def test_rank_1_raises_at_step_50(ready, magics):
+    hook = "if rank == 1 and epoch * len(loader) + step == 50: raise ValueError('bad batch')"
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        ready.run_cell_magic("distrain", "", train_cell(epochs=100, hook=hook))
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.ranks == [1]
+    assert str(err).startswith("rank 1 (host ")
+    assert "raised ValueError: bad batch" in str(err)
+    assert "at cell line 18: if rank == 1 and epoch" in str(err)
+    rendered = err._render_traceback_()
+    assert sum(line.startswith("--- remote traceback") for line in rendered) == 1
+    assert "rank 0 stopped because a peer failed." in rendered
+    assert elapsed < 10
+    _engines_idle(magics, within=10 - elapsed)
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+    assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
+
+
+def test_all_ranks_fail_alike_shown_once(ready):
+    with pytest.raises(WorkerError) as info:
+        ready.run_cell_magic("distrain", "", "x = 1\nraise KeyError('missing')\n")
+    assert info.value.ranks == [0, 1]
+    rendered = info.value._render_traceback_()
+    assert "--- remote traceback, ranks 0, 1 ---" in rendered
+    assert sum(line.startswith("--- remote traceback") for line in rendered) == 1
+
+
+def test_nccl_without_gpus(ready):
+    with pytest.raises(UsageError, match="--backend nccl needs GPUs and this cluster has none"):
+        ready.run_cell_magic("distrain", "--backend nccl", "x = 1\n")
+    with pytest.raises(WorkerError) as info:
+        ready.run_cell_magic("distrain", "", "dist.init_process_group('nccl')\n")
+    assert "init_process_group('nccl') needs a GPU" in str(info.value)
+    assert "Use backend='gloo' or drop the argument" in str(info.value)
+
+
+def test_timeout_stops_a_hung_rank(ready, magics):
+    start = time.monotonic()
+    cell = "import time\nif rank == 0:\n    time.sleep(3600)\ndist.barrier()\n"
+    with pytest.raises(JobTimeout, match="ran past --timeout 2 s"):
+        ready.run_cell_magic("distrain", "--timeout 2", cell)
+    assert time.monotonic() - start < 2 + 10
+    _engines_idle(magics, within=5)
+    ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
+    assert ready.user_ns["res"].values == [2, 2]
+
+
+def test_worker_that_dies_is_reported_and_replaced(ready, magics):
+    old = [e.pid for e in magics.cluster.engines]
+    start = time.monotonic()
+    cell = "import os, time\nif rank == 1:\n    os._exit(3)\ndist.barrier()\n"
+    with pytest.raises(WorkerDied, match=r"rank 1 \(host .*, pid \d+\) died during the job"):
+        ready.run_cell_magic("distrain", "", cell)
+    assert time.monotonic() - start < 30
+    assert not set(old) & {e.pid for e in magics.cluster.engines}
+    ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
+    assert ready.user_ns["res"].values == [2, 2]
+
+
+def test_resize_with_notice(ready, magics, capsys):
+    ready.run_cell_magic("distrain", "-n 1 -o res", "world_size\n")
+    assert ready.user_ns["res"].values == [1]
+    assert "resizing the cluster from 2 to 1 workers" in capsys.readouterr().out
+    ready.run_cell_magic("distrain", "-n 2 -o res", "world_size\n")
+    assert ready.user_ns["res"].values == [2, 2]
+
+
+@pytest.mark.slow
+def test_stress_30_runs_mixed_success_and_failure(ready):
+    """The group lifecycle must never hang: 30 runs, every third one failing mid-training."""
+    for i in range(30):
+        if i % 3 == 2:
+            hook = "if rank == i % 2 and step == 3: raise RuntimeError('injected')".replace(
+                "i % 2", str(i % 2)
+            )
+            with pytest.raises(WorkerError, match="injected"):
+                ready.run_cell_magic("distrain", "--timeout 60", train_cell(epochs=1, hook=hook))
+        else:
+            ready.run_cell_magic("distrain", "--timeout 60 -o res", train_cell(epochs=1))
+            (_, _, p0), (_, _, p1) = ready.user_ns["res"].values
+            assert all(a.equal(b) for a, b in zip(p0, p1, strict=True))
