@@ -7,9 +7,13 @@ ids change when engines are replaced.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +71,8 @@ class LocalCluster:
         self._notify = notify
         self._cluster: Any = None
         self._client: Any = None
+        self._reaper: subprocess.Popen | None = None
+        self._pidfile: str | None = None
         self.engines: list[EngineInfo] = []
         self.warm: set[str] = set()
         self.rendezvous: dict[str, Rendezvous] = {}
@@ -102,8 +108,11 @@ class LocalCluster:
             load_profile=False,
         )
         try:
+            self._start_reaper()
             cluster.start_cluster_sync()
             self._cluster = cluster
+            # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
+            atexit.register(self.stop)
             self._client = cluster.connect_client_sync()
             self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
             self._learn_engines()
@@ -118,20 +127,78 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop engines and controller; no process is left behind."""
         cluster, client = self._cluster, self._client
+        pids = [e.pid for e in self.engines]
         self._cluster = self._client = None
+        atexit.unregister(self.stop)
         self._forget_engines()
         if client is not None:
-            try:
-                # Ask engines to exit; a SIGTERM is ignored by engines blocked in a collective.
-                client.shutdown(targets="all", hub=False, block=True)
-            except Exception:  # dead or stuck engines: the launcher's SIGKILL deals with them
-                log.debug("engine shutdown request failed", exc_info=True)
+            if cluster is not None and cluster.engines and pids:
+                self._shutdown_engines(client, pids)
             try:
                 client.close()
             except Exception:  # a closing client can only fail on its own sockets
                 log.debug("client close failed", exc_info=True)
         if cluster is not None:
             cluster.stop_cluster_sync()
+        self._stop_reaper()
+
+    @staticmethod
+    def _shutdown_engines(client: Any, pids: list[int]) -> None:
+        """Ask engines to exit, then SIGKILL any still there after a second.
+
+        Engines that ran a gloo or TF collective often ignore SIGTERM, and the launcher would
+        wait for each in turn; a shutdown request followed by SIGKILL takes one second at most.
+        """
+        import psutil
+
+        try:
+            client.shutdown(targets="all", hub=False, block=False)
+        except Exception:  # engines already gone: nothing to ask
+            log.debug("engine shutdown request failed", exc_info=True)
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=1)
+        for proc in alive:
+            try:
+                for child in proc.children(recursive=True):
+                    child.kill()
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def _start_reaper(self) -> None:
+        fd, self._pidfile = tempfile.mkstemp(prefix="nbdist-", suffix=".pids")
+        os.close(fd)
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "nbdist.kernel.reaper", str(os.getpid()), self._pidfile],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _write_pidfile(self) -> None:
+        pids = [self._cluster.controller.pid, *(e.pid for e in self.engines)]
+        tmp = self._pidfile + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(" ".join(map(str, pids)))
+        os.replace(tmp, self._pidfile)
+
+    def _stop_reaper(self) -> None:
+        pidfile, reaper = self._pidfile, self._reaper
+        self._pidfile = self._reaper = None
+        if pidfile is not None and os.path.exists(pidfile):
+            os.unlink(pidfile)
+        if reaper is not None:
+            try:
+                reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait()
 
     def restart(self, n: int | None = None) -> None:
         n = n or self.size or None
@@ -150,6 +217,7 @@ class LocalCluster:
         """Stop every engine and start ``n`` fresh ones under the same controller."""
         n = n or self.size
         self._check_gpus(n)
+        self._shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
         self._cluster.start_engines_sync(n)
@@ -204,6 +272,7 @@ class LocalCluster:
             )
         self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
         self.engines = engines
+        self._write_pidfile()
 
     # -- work ------------------------------------------------------------------------------------
     def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -134,8 +134,9 @@ def test_push_and_pull(ready):
 
     ready.user_ns["base"] = torch.arange(4.0)
     ready.run_cell_magic(
-        "distrain", "--push base --pull total,doubled", "total = base.sum().item() + rank\n"
-        "doubled = base * 2\n"
+        "distrain",
+        "--push base --pull total,doubled",
+        "total = base.sum().item() + rank\ndoubled = base * 2\n",
     )
     assert ready.user_ns["total"] == 6.0
     assert ready.user_ns["doubled"].tolist() == [0.0, 2.0, 4.0, 6.0]
@@ -266,3 +267,22 @@ def test_stress_30_runs_mixed_success_and_failure(ready):
             ready.run_cell_magic("distrain", "--timeout 60 -o res", train_cell(epochs=1))
             (_, _, p0), (_, _, p1) = ready.user_ns["res"].values
             assert all(a.equal(b) for a, b in zip(p0, p1, strict=True))
+
+
+def test_notebook_interrupt_stops_every_rank(ready, magics):
+    """The kernel's interrupt arrives as KeyboardInterrupt in the magic while it waits."""
+    import os
+    import signal
+    import threading
+
+    from nbdist import JobInterrupted
+
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted, match="interrupted; stopped ranks 0, 1"):
+        ready.run_cell_magic("distrain", "", "import time\ntime.sleep(3600)\n")
+    assert time.monotonic() - start < 1.0 + 5
+    _engines_idle(magics, within=5)
+    ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
+    assert ready.user_ns["res"].values == [2, 2]
