@@ -26,6 +26,7 @@ Line magic::
     %distrain stop            stop every worker and the controller
     %distrain restart [-n N]  fresh workers (after a crash, or to change N)
     %distrain status          workers, hosts, GPUs, busy/idle
+    %distrain check SOURCE    check code (a string variable's name, or code) for mistakes
 
 The cell runs on every worker at once, as rank 0 .. N-1 of one job. Before it starts the
 process group is ready (``torch.distributed``: nccl with GPUs, gloo without), and the cell
@@ -41,6 +42,12 @@ Each cell is a self-contained job: variables do not carry from one %%distrain ce
 next. Send notebook data in with ``--push`` and bring rank 0's results back with ``--pull``.
 A cell written for torchrun that calls ``dist.init_process_group(...)`` itself works as it
 is: nbdist has already set up the group and skips the second initialisation.
+
+Before the cell runs, nbdist reads it (without running it) for the classic mistakes of
+distributed training — nn.DataParallel inside DDP, a DataLoader without a DistributedSampler, an
+epoch loop without sampler.set_epoch, nccl without GPUs, saving from every rank, a Keras model
+built outside strategy.scope(), ... — and prints one line per finding with the fix. Findings
+never block the run; --no-check turns them off, --check-only checks without running.
 
 Output of every rank streams into the cell, prefixed ``[rank N]`` (``--ranks 0`` shows one).
 If a rank raises, the others are stopped within seconds and the error names the rank, the
@@ -85,7 +92,8 @@ def _doc() -> str:
 class _SubParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(
-            f"%distrain: {message}. Use %distrain start [-n N] | stop | restart [-n N] | status."
+            f"%distrain: {message}. Use %distrain start [-n N] | stop | restart [-n N] | status"
+            " | check SOURCE."
         )
 
 
@@ -95,6 +103,8 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     for name in ("start", "restart"):
         sp = sub.add_parser(name, add_help=False)
         sp.add_argument("-n", "--workers", type=_positive_int, metavar="N")
+    check = sub.add_parser("check", add_help=False)
+    check.add_argument("source", nargs="+")
     sub.add_parser("stop", add_help=False)
     sub.add_parser("status", add_help=False)
     return p
@@ -128,7 +138,8 @@ class DistrainMagics(Magics):
             raise UsageError(f"%distrain: cannot split {line!r} ({e})") from None
         if not argv:
             raise UsageError(
-                "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status. "
+                "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status | "
+                "check SOURCE. "
                 "To run a cell, put %%distrain (two %) on its first line."
             )
         ns = _subcommand_parser().parse_args(argv)
@@ -146,6 +157,11 @@ class DistrainMagics(Magics):
             was = self.cluster.running
             self.cluster.stop()
             print("nbdist: cluster stopped" if was else "nbdist: no cluster was running")
+        elif ns.command == "check":
+            text = " ".join(ns.source)
+            value = self.shell.user_ns.get(text)
+            source = value if isinstance(value, str) else text
+            self.runner.report_findings(source, self.cluster.size or None, quiet=False)
         else:
             print(self.cluster.status_text())
 

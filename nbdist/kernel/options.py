@@ -29,6 +29,8 @@ class RunOptions:
     out: str | None = None
     ranks: tuple[int, ...] | None = None
     timeout: float | None = None
+    check: bool = True
+    check_only: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,6 +139,17 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=_seconds, metavar="S", help="stop the whole job after S seconds"
     )
+    p.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the distributed-mistakes checker for this cell",
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only check the cell for distributed mistakes; run nothing",
+    )
     return p
 
 
@@ -158,4 +171,6 @@ def parse_run_options(line: str) -> RunOptions:
         out=ns.out,
         ranks=ns.ranks,
         timeout=ns.timeout,
+        check=ns.check,
+        check_only=ns.check_only,
     )

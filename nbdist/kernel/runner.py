@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from IPython.core.error import UsageError
 
 from nbdist.engine import backends, worker
+from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.spec import RankSpec
 from nbdist.errors import (
     JobInterrupted,
@@ -32,7 +33,8 @@ from nbdist.errors import (
     WorkerDied,
     WorkerError,
 )
-from nbdist.kernel.cluster import LocalCluster, Rendezvous
+from nbdist.kernel.checks import CheckContext, check_source
+from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import infer_framework, parse_cell
@@ -174,11 +176,30 @@ class Runner:
         self.cluster.rendezvous[framework] = Rendezvous(key=key, envs=envs)
         return envs
 
+    def report_findings(self, source: str, workers: int | None, *, quiet: bool = True) -> list:
+        """Show what the mistakes checker finds in ``source``, one line each."""
+        if self.cluster.running:
+            gpus = sum(e.gpu is not None for e in self.cluster.engines)
+        else:
+            gpus = len(visible_gpus())
+        context = CheckContext(world_size=workers or default_workers(), gpus=gpus)
+        findings = check_source(source, context)
+        for finding in findings:
+            self._notify(str(finding))
+        if not findings and not quiet:
+            self._notify("nbdist check: no distributed-training mistakes found")
+        return findings
+
     # -- the run ---------------------------------------------------------------------------------
-    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult:
+    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
         tree = parse_cell(source)
+        if opts.check_only:
+            self.report_findings(source, opts.workers, quiet=False)
+            return None
         framework = infer_framework(tree, opts.framework)
         push = check_push(opts.push, user_ns)
+        if opts.check:
+            self.report_findings(source, opts.workers or self.cluster.size or None)
         self.cluster.ensure(opts.workers)
         if opts.ranks is not None and max(opts.ranks) >= self.cluster.size:
             raise UsageError(

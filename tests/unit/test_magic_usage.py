@@ -35,3 +35,16 @@ def test_cell_errors_before_any_engine_starts(shell, magics):
     with pytest.raises(UsageError, match="--push gen: a generator cannot be sent"):
         shell.run_cell_magic("distrain", "--push gen", "x = 1\n")
     assert magics.cluster.running == running
+
+
+def test_check_only_and_check_subcommand(shell, magics, capsys):
+    running = magics.cluster.running
+    shell.run_cell_magic("distrain", "--check-only", "dist.init_process_group('nccl')\n")
+    out = capsys.readouterr().out
+    assert "nbdist check [nccl-without-gpu] cell line 1:" in out
+    shell.user_ns["snippet"] = "model = nn.DataParallel(net)\nmodel = DDP(model)\n"
+    shell.run_line_magic("distrain", "check snippet")
+    assert "nbdist check [dataparallel-in-ddp] cell line 1:" in capsys.readouterr().out
+    shell.run_line_magic("distrain", "check x = 1")
+    assert capsys.readouterr().out == "nbdist check: no distributed-training mistakes found\n"
+    assert magics.cluster.running == running

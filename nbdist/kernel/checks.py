@@ -1,0 +1,384 @@
+"""The distributed-mistakes checker: reads a cell's AST (never runs it) and explains mistakes.
+
+Each rule is one function ``(tree, context) -> list[Finding]`` in ``RULES``. A finding is one
+line: what is wrong, why it matters in distributed training, the fix, and where tutorial 04
+explains it. Findings never block a run.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+TUTORIAL = "notebooks/04_common_mistakes.ipynb"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckContext:
+    """What the checker knows about the job the cell will run as."""
+
+    world_size: int = 2
+    gpus: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One mistake found in a cell."""
+
+    rule: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"nbdist check [{self.rule}] cell line {self.line}: {self.message}"
+
+
+def _call_name(node: ast.AST) -> str:
+    """``a.b.C(...)`` → ``"C"``; ``C(...)`` → ``"C"``; anything else → ``""``."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def _calls(tree: ast.AST, *names: str) -> Iterator[ast.Call]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _call_name(node) in names:
+            yield node
+
+
+def _kwarg(call: ast.Call, name: str) -> ast.expr | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    return None
+
+
+def _is_const(node: ast.AST | None, value: object) -> bool:
+    return isinstance(node, ast.Constant) and node.value == value
+
+
+_DDP = ("DistributedDataParallel", "DDP")
+
+
+def dataparallel_with_ddp(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    if not any(_calls(tree, *_DDP)):
+        return []
+    return [
+        Finding(
+            rule="dataparallel-in-ddp",
+            line=call.lineno,
+            message="nn.DataParallel together with DistributedDataParallel: each DDP worker "
+            "already owns one device, and DataParallel inside it splits batches across threads "
+            "and breaks gradient averaging. Drop nn.DataParallel and wrap the model in DDP only "
+            f"(see {TUTORIAL}, 'DataParallel inside DDP').",
+        )
+        for call in _calls(tree, "DataParallel")
+    ]
+
+
+def loader_without_sampler(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    if not any(_calls(tree, *_DDP)):
+        return []
+    out = []
+    for call in _calls(tree, "DataLoader"):
+        sampler = _kwarg(call, "sampler")
+        if sampler is None and _kwarg(call, "batch_sampler") is None and len(call.args) < 4:
+            out.append(
+                Finding(
+                    rule="loader-without-sampler",
+                    line=call.lineno,
+                    message="DataLoader without a DistributedSampler in a DDP cell: every rank "
+                    "trains on the whole dataset, so each epoch does world_size times the work "
+                    "and the ranks see the same batches. Pass "
+                    "sampler=DistributedSampler(dataset) "
+                    f"(see {TUTORIAL}, 'Data loading').",
+                )
+            )
+        elif sampler is not None and _is_const(_kwarg(call, "shuffle"), True):
+            out.append(
+                Finding(
+                    rule="shuffle-with-sampler",
+                    line=call.lineno,
+                    message="DataLoader with shuffle=True and a sampler: PyTorch raises "
+                    "'sampler option is mutually exclusive with shuffle'. Drop shuffle=True; "
+                    "DistributedSampler shuffles itself (shuffle=True is its default) "
+                    f"(see {TUTORIAL}, 'Data loading').",
+                )
+            )
+    return out
+
+
+def missing_set_epoch(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    if not any(_calls(tree, "DistributedSampler")) or any(_calls(tree, "set_epoch")):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and "epoch" in node.target.id.lower()
+        ):
+            out.append(
+                Finding(
+                    rule="missing-set-epoch",
+                    line=node.lineno,
+                    message="epoch loop without sampler.set_epoch(epoch): DistributedSampler "
+                    "then shuffles the same way every epoch. Call sampler.set_epoch(epoch) at "
+                    f"the top of the loop (see {TUTORIAL}, 'Data loading').",
+                )
+            )
+    return out
+
+
+def _backend_arg(call: ast.Call) -> ast.expr | None:
+    return _kwarg(call, "backend") or (call.args[0] if call.args else None)
+
+
+def init_process_group_rules(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    calls = sorted(_calls(tree, "init_process_group"), key=lambda c: c.lineno)
+    out = []
+    for call in calls:
+        backend = _backend_arg(call)
+        if ctx.gpus == 0 and _is_const(backend, "nccl"):
+            out.append(
+                Finding(
+                    rule="nccl-without-gpu",
+                    line=call.lineno,
+                    message="init_process_group('nccl') on workers without a GPU: nccl only "
+                    "runs on CUDA devices. Use backend='gloo' or drop the argument "
+                    f"(see {TUTORIAL}, 'Process groups').",
+                )
+            )
+    for call in calls[1:]:
+        out.append(
+            Finding(
+                rule="second-init",
+                line=call.lineno,
+                message="a second init_process_group: the default group can be initialised "
+                "once per process ('trying to initialize the default process group twice'). "
+                "Keep one call, or use dist.new_group for a sub-group "
+                f"(see {TUTORIAL}, 'Process groups').",
+            )
+        )
+    return out
+
+
+def bare_cuda(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    if ctx.gpus < 2 or ctx.world_size < 2:
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _call_name(node)
+        bare = (name == "cuda" and not node.args and not node.keywords) or (
+            name in ("to", "device") and node.args and _is_const(node.args[0], "cuda")
+        )
+        if bare:
+            out.append(
+                Finding(
+                    rule="cuda-without-local-device",
+                    line=node.lineno,
+                    message="'cuda' without a device index in a multi-GPU job: under torchrun "
+                    "every rank would land on GPU 0. Use .to(device) (nbdist sets it per rank) or "
+                    f"torch.device('cuda', local_rank) (see {TUTORIAL}, 'Devices').",
+                )
+            )
+    return out
+
+
+_RANK_WORDS = ("rank", "is_main", "get_rank", "main_process", "local_rank")
+
+
+def _mentions_rank(test: ast.AST) -> bool:
+    for node in ast.walk(test):
+        if isinstance(node, ast.Name) and node.id in _RANK_WORDS:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr in _RANK_WORDS:
+            return True
+    return False
+
+
+def _walk_unguarded(node: ast.AST, in_loop: bool = False) -> Iterator[tuple[ast.AST, bool]]:
+    """Nodes not under an ``if`` on the rank, with whether they sit inside a loop."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _mentions_rank(child.test):
+            continue
+        if isinstance(child, ast.IfExp) and _mentions_rank(child.test):
+            continue
+        yield child, in_loop
+        yield from _walk_unguarded(child, in_loop or isinstance(child, (ast.For, ast.While)))
+
+
+_METRIC_WORDS = ("loss", "acc", "metric", "score")
+
+
+def unguarded_side_effects(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    out = []
+    for node, in_loop in _walk_unguarded(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _call_name(node)
+        if name in ("save", "save_weights", "save_model"):
+            out.append(
+                Finding(
+                    rule="unguarded-save",
+                    line=node.lineno,
+                    message=f"{name}(...) on every rank: all workers write the same file at "
+                    "once and can corrupt it. Save from one rank: 'if is_main:' "
+                    f"(see {TUTORIAL}, 'One rank speaks').",
+                )
+            )
+        elif name == "print" and in_loop:
+            text = ast.unparse(node).lower()
+            if any(word in text for word in _METRIC_WORDS):
+                out.append(
+                    Finding(
+                        rule="unguarded-print",
+                        line=node.lineno,
+                        message="printing metrics from every rank inside the training loop: "
+                        "the output repeats world_size times and shows each rank's own batch "
+                        "loss. Print under 'if is_main:' "
+                        f"(see {TUTORIAL}, 'One rank speaks').",
+                    )
+                )
+    return out
+
+
+_KERAS_BUILDERS = ("Sequential", "Model", "Functional")
+_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam")
+
+
+def _scope_blocks(tree: ast.Module) -> list[ast.With]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.With)
+        and any(_call_name(item.context_expr) == "scope" for item in node.items)
+    ]
+
+
+def keras_outside_scope(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    blocks = _scope_blocks(tree)
+    inside = {id(n) for b in blocks for n in ast.walk(b)}
+    if not any(id(c) in inside for c in _calls(tree, "compile")):
+        return []
+    out = []
+    for call in _calls(tree, *_KERAS_BUILDERS, *_OPTIMIZERS):
+        is_keras_optimizer = "optimizers" in ast.unparse(call.func)
+        if id(call) in inside or (_call_name(call) in _OPTIMIZERS and not is_keras_optimizer):
+            continue
+        out.append(
+            Finding(
+                rule="keras-outside-scope",
+                line=call.lineno,
+                message=f"{_call_name(call)}(...) created outside strategy.scope() but compiled "
+                "inside it: its variables are not mirrored, and Keras 3 fails in fit with a bare "
+                "AssertionError. Create the model and optimizer inside 'with strategy.scope():' "
+                f"(see {TUTORIAL}, 'strategy.scope()').",
+            )
+        )
+    return out
+
+
+def tfconfig_connect(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    resolvers = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _call_name(node.value) == "TFConfigClusterResolver":
+            resolvers.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    out = []
+    for call in _calls(tree, "connect"):
+        target = call.func.value if isinstance(call.func, ast.Attribute) else None
+        if target is None:
+            continue
+        if _call_name(target) == "TFConfigClusterResolver" or (
+            isinstance(target, ast.Name) and target.id in resolvers
+        ):
+            out.append(
+                Finding(
+                    rule="tfconfig-connect",
+                    line=call.lineno,
+                    message="TFConfigClusterResolver has no connect() (only the TPU resolver "
+                    "has): this raises AttributeError. MultiWorkerMirroredStrategy reads "
+                    "TF_CONFIG itself; pass cluster_resolver=TFConfigClusterResolver() or "
+                    f"nothing (see {TUTORIAL}, 'TF_CONFIG').",
+                )
+            )
+    return out
+
+
+def strategy_after_ops(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    created = sorted(_calls(tree, "MultiWorkerMirroredStrategy"), key=lambda c: c.lineno)
+    if not created:
+        return []
+    first = created[0].lineno
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or node.lineno >= first:
+            continue
+        text = ast.unparse(node.func)
+        if text.startswith(("tf.", "tensorflow.")) and not text.startswith(
+            ("tf.distribute", "tf.config", "tensorflow.distribute", "tensorflow.config")
+        ):
+            return [
+                Finding(
+                    rule="strategy-after-ops",
+                    line=first,
+                    message=f"MultiWorkerMirroredStrategy created after other TensorFlow ops "
+                    f"(line {node.lineno}): collectives must be configured at program start, "
+                    "else 'Collective ops must be configured at program startup'. Create the "
+                    f"strategy first (see {TUTORIAL}, 'TF_CONFIG').",
+                )
+            ]
+    return []
+
+
+def per_worker_batch(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    if not any(_calls(tree, "MultiWorkerMirroredStrategy", "scope")):
+        return []
+    out = []
+    for call in _calls(tree, "batch"):
+        if call.args and isinstance(call.args[0], ast.Name):
+            name = call.args[0].id.lower()
+            if "per_worker" in name or "per_replica" in name:
+                out.append(
+                    Finding(
+                        rule="per-worker-batch",
+                        line=call.lineno,
+                        message=f"dataset batched with {call.args[0].id}: with "
+                        "MultiWorkerMirroredStrategy a dataset given to fit is batched with the "
+                        "global batch size, which the strategy splits across workers. Use "
+                        "per_worker_batch * strategy.num_replicas_in_sync "
+                        f"(see {TUTORIAL}, 'Global batch').",
+                    )
+                )
+    return out
+
+
+RULES: tuple[Callable[[ast.Module, CheckContext], list[Finding]], ...] = (
+    dataparallel_with_ddp,
+    loader_without_sampler,
+    missing_set_epoch,
+    init_process_group_rules,
+    bare_cuda,
+    unguarded_side_effects,
+    keras_outside_scope,
+    tfconfig_connect,
+    strategy_after_ops,
+    per_worker_batch,
+)
+
+
+def check_source(source: str, context: CheckContext | None = None) -> list[Finding]:
+    """Every finding for ``source``, in line order (``[]`` for a cell that does not parse)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    ctx = context or CheckContext()
+    findings = [f for rule in RULES for f in rule(tree, ctx)]
+    return sorted(findings, key=lambda f: (f.line, f.rule))

@@ -1,0 +1,185 @@
+"""Each checker rule with a cell that triggers it and the corrected cell that does not."""
+
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbdist.kernel.checks import CheckContext, check_source
+
+CPU = CheckContext(world_size=2, gpus=0)
+GPUS = CheckContext(world_size=2, gpus=2)
+
+
+def rules(source, ctx=CPU):
+    return [(f.rule, f.line) for f in check_source(textwrap.dedent(source), ctx)]
+
+
+CASES = [
+    (
+        "dataparallel-in-ddp",
+        """
+        model = nn.Sequential(nn.Linear(10, 10))
+        model = nn.DataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model)
+        """,
+        """
+        model = nn.Sequential(nn.Linear(10, 10))
+        model = nn.parallel.DistributedDataParallel(model)
+        """,
+        3,
+    ),
+    (
+        "loader-without-sampler",
+        """
+        loader = DataLoader(data, batch_size=32)
+        model = DDP(net)
+        """,
+        """
+        loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data))
+        model = DDP(net)
+        """,
+        2,
+    ),
+    (
+        "shuffle-with-sampler",
+        """
+        loader = DataLoader(data, shuffle=True, sampler=DistributedSampler(data))
+        model = DDP(net)
+        """,
+        """
+        loader = DataLoader(data, sampler=DistributedSampler(data))
+        model = DDP(net)
+        """,
+        2,
+    ),
+    (
+        "missing-set-epoch",
+        """
+        sampler = DistributedSampler(data)
+        for epoch in range(3):
+            train(sampler)
+        """,
+        """
+        sampler = DistributedSampler(data)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            train(sampler)
+        """,
+        3,
+    ),
+    (
+        "nccl-without-gpu",
+        "dist.init_process_group('nccl')\n",
+        "dist.init_process_group('gloo')\n",
+        1,
+    ),
+    (
+        "second-init",
+        "dist.init_process_group(backend='gloo')\nx = 1\ndist.init_process_group(backend='gloo')\n",
+        "dist.init_process_group(backend='gloo')\n",
+        3,
+    ),
+    (
+        "unguarded-save",
+        "torch.save(model.state_dict(), 'ckpt.pt')\n",
+        "if is_main:\n    torch.save(model.state_dict(), 'ckpt.pt')\n",
+        1,
+    ),
+    (
+        "unguarded-print",
+        "for step in range(10):\n    print(f'loss {loss.item()}')\n",
+        "for step in range(10):\n    if rank == 0:\n        print(f'loss {loss.item()}')\n",
+        2,
+    ),
+    (
+        "keras-outside-scope",
+        """
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+        with strategy.scope():
+            model.compile(optimizer='sgd', loss='mse')
+        """,
+        """
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+            model.compile(optimizer='sgd', loss='mse')
+        """,
+        2,
+    ),
+    (
+        "tfconfig-connect",
+        """
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        resolver.connect()
+        """,
+        """
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+        """,
+        3,
+    ),
+    (
+        "strategy-after-ops",
+        """
+        x = tf.constant([1.0])
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        """,
+        """
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        x = tf.constant([1.0])
+        """,
+        3,
+    ),
+    (
+        "per-worker-batch",
+        """
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        ds = ds.batch(per_worker_batch)
+        """,
+        """
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        ds = ds.batch(per_worker_batch * strategy.num_replicas_in_sync)
+        """,
+        3,
+    ),
+]
+
+
+@pytest.mark.parametrize(("rule", "bad", "good", "line"), CASES, ids=[c[0] for c in CASES])
+def test_rule_fires_on_the_mistake_only(rule, bad, good, line):
+    assert (rule, line) in rules(bad)
+    assert rule not in [r for r, _ in rules(good)]
+
+
+def test_bare_cuda_only_matters_with_several_gpus():
+    cell = "model = net.cuda()\nx = x.to('cuda')\n"
+    assert rules(cell, GPUS) == [("cuda-without-local-device", 1), ("cuda-without-local-device", 2)]
+    assert rules(cell, CPU) == []
+    assert rules("model = net.to(device)\n", GPUS) == []
+
+
+def test_finding_is_one_line_with_why_fix_and_pointer():
+    (finding,) = check_source("dist.init_process_group('nccl')\n", CPU)
+    text = str(finding)
+    assert "\n" not in text
+    assert text.startswith("nbdist check [nccl-without-gpu] cell line 1: ")
+    assert "Use backend='gloo'" in text and "04_common_mistakes" in text
+
+
+def _correct_cells():
+    root = Path(__file__).parents[2]
+    for path in sorted((root / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code" and cell.source.startswith("%%distrain"):
+                if "nbdist: expect-findings" not in cell.source:
+                    yield f"{path.name}#{i}", cell.source.split("\n", 1)[1]
+    from tests.integration import test_torch_ddp as t
+
+    yield "TRAIN", t.train_cell()
+
+
+@pytest.mark.parametrize(("where", "source"), list(_correct_cells()), ids=lambda v: str(v)[:40])
+def test_no_false_alarms_on_correct_cells(where, source):
+    assert check_source(source, CPU) == []
