@@ -105,7 +105,9 @@ def classify(failures: list[RankFailure]) -> list[RankFailure]:
     first = ordered[0]
     out = []
     for f in failures:
-        lost_peer = f.exc_type == "KeyboardInterrupt" or bool(_PEER_LOST.search(f.message))
+        lost_peer = f.exc_type == "KeyboardInterrupt" or bool(
+            _PEER_LOST.search(f"{f.exc_type}: {f.message}")
+        )
         collateral = f is not first and lost_peer
         out.append(RankFailure(**{**f.__dict__, "collateral": collateral}))
     return out

@@ -256,7 +256,10 @@ class LocalCluster:
             peers = by_host[info["host"]]
             local_rank = peers.index(rank)
             gpus = info["gpus"]
-            gpu = gpus[local_rank] if local_rank < len(gpus) else None
+            if len(peers) == 1 and gpus:
+                gpu = ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
+            else:
+                gpu = gpus[local_rank] if local_rank < len(gpus) else None
             engines.append(
                 EngineInfo(
                     rank=rank,
@@ -279,9 +282,15 @@ class LocalCluster:
         """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult."""
         return self._client[self.engines[rank].engine_id].apply_async(fn, *args, **kwargs)
 
-    def apply_all(self, fn: Callable[..., Any], per_rank: Callable[[EngineInfo], dict]) -> list:
-        """Run ``fn(**per_rank(engine))`` on every engine at once; results in rank order."""
-        ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in self.engines]
+    def apply_all(
+        self,
+        fn: Callable[..., Any],
+        per_rank: Callable[[EngineInfo], dict],
+        ranks: Sequence[int] | None = None,
+    ) -> list:
+        """Run ``fn(**per_rank(engine))`` on every engine (or ``ranks``) at once; in rank order."""
+        chosen = self.engines if ranks is None else [self.engines[r] for r in ranks]
+        ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in chosen]
         return [ar.get() for ar in ars]
 
     def interrupt(self, ranks: Sequence[int]) -> None:

@@ -17,8 +17,8 @@ _DOC = """Run a cell as a distributed training job, one worker per GPU (2 on CPU
 
 Cell magic::
 
-    %%distrain [-n N] [--framework torch] [--backend gloo|nccl] [--push A,B] [--pull X,Y]
-               [-o NAME] [--ranks R,S] [--timeout S]
+    %%distrain [-n N] [--framework torch|tf] [--backend gloo|nccl] [--strategy mirrored]
+               [--push A,B] [--pull X,Y] [-o NAME] [--ranks R,S] [--timeout S] [--no-check]
 
 Line magic::
 
@@ -37,6 +37,22 @@ sees these names:
     is_main                   rank == 0: print, save and evaluate only there
     device                    where to put the model: cuda:0 (this worker's own GPU) or cpu
     torch, nn, dist           torch, torch.nn, torch.distributed
+
+TensorFlow cells (``--framework tf``, or inferred from ``import tensorflow``/``keras``/
+``strategy``) get ``TF_CONFIG`` set for their rank (every engine a worker, task index = rank)
+and these names:
+
+    strategy                  a ready tf.distribute.MultiWorkerMirroredStrategy (RING on CPU,
+                              NCCL on GPUs, a 15 s collective timeout so a lost peer is an error)
+    tf                        tensorflow
+    rank, world_size, is_main as above
+
+Build and compile the Keras model inside ``with strategy.scope():``. The batch size given to
+``model.fit`` or ``dataset.batch`` is the *global* batch: MWMS splits it across the workers, so
+each worker computes ``global_batch / world_size`` samples per step (per-replica batch).
+``--strategy mirrored`` runs the cell in one worker with ``tf.distribute.MirroredStrategy`` over
+that machine's GPUs (CPU:0 when there is none). Keras 3's multi-worker ``fit`` bug
+(keras-team/keras#20585) is patched on the workers.
 
 Each cell is a self-contained job: variables do not carry from one %%distrain cell to the
 next. Send notebook data in with ``--push`` and bring rank 0's results back with ``--pull``.
@@ -72,6 +88,16 @@ A DDP model trained on 2 CPU workers; every rank ends with the same parameters::
     if is_main:
         print(f"final loss {loss.item():.4f}")
     loss.item()                      # result.values holds each rank's value
+
+TensorFlow, two workers, one Keras model::
+
+    %%distrain --framework tf
+    import numpy as np, keras
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(256, 8).astype("float32")
+    model.fit(x, x.sum(1), batch_size=64, epochs=2, verbose=0)   # 64 = global batch
 
 Data in, results out::
 

@@ -24,6 +24,7 @@ class RunOptions:
     workers: int | None = None
     framework: str | None = None
     backend: str | None = None
+    strategy: str | None = None
     push: tuple[str, ...] = ()
     pull: tuple[str, ...] = ()
     out: str | None = None
@@ -111,6 +112,12 @@ def run_parser() -> argparse.ArgumentParser:
         help="torch.distributed backend (default: nccl with GPUs, gloo without)",
     )
     p.add_argument(
+        "--strategy",
+        choices=("multiworker", "mirrored"),
+        help="TensorFlow: MultiWorkerMirroredStrategy on every worker (default), or "
+        "MirroredStrategy in one worker over its machine's GPUs",
+    )
+    p.add_argument(
         "--push",
         type=_names("--push"),
         default=(),
@@ -166,6 +173,7 @@ def parse_run_options(line: str) -> RunOptions:
         workers=ns.workers,
         framework=ns.framework,
         backend=ns.backend,
+        strategy=ns.strategy,
         push=ns.push,
         pull=ns.pull,
         out=ns.out,

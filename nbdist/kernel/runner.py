@@ -1,14 +1,16 @@
 """One ``%%distrain`` run: rendezvous, submit, stream output, watch, gather, report.
 
 Stopping a job that went wrong escalates, each step bounded (times from ``shared/NOTES.md`` and
-this project's fault tests):
+this project's fault tests). The backend's ``peer_release_s`` is how long a rank blocked in a
+collective takes to notice a lost peer: about 1 s for torch (the failing rank destroys its
+group), the collective timeout for TensorFlow.
 
-1. A rank that raises tears its own process group down on the engine, which frees peers blocked
-   in a collective within about a second; they report a lost peer and clean up too.
-2. Ranks still running ``PEER_GRACE_S`` later (or at ``--timeout``, or on the notebook's
-   interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
-3. Ranks still running ``KILL_GRACE_S`` after that are killed and every engine is replaced, so
-   the next run starts clean.
+1. A rank that raises reports its failure and cleans up; peers blocked in a collective with it
+   fail on their own within ``peer_release_s``.
+2. Ranks still running ``peer_release_s + PEER_GRACE_S`` later (at once on ``--timeout`` or the
+   notebook's interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
+3. Ranks still running ``peer_release_s + KILL_GRACE_S`` after that are killed and every engine
+   is replaced, so the next run starts clean.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from nbdist.kernel.source import infer_framework, parse_cell
 
 log = logging.getLogger(__name__)
 
-PEER_GRACE_S = 3.0
-KILL_GRACE_S = 4.0
+# Beyond the time the backend says a blocked peer needs to notice a lost rank:
+PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
+KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
 POLL_S = 0.02
 LIVENESS_EVERY_S = 0.25
 
@@ -136,6 +139,11 @@ class Runner:
     def _check_backend(self, opts: RunOptions, framework: str) -> None:
         if opts.backend is not None and framework != "torch":
             raise UsageError(f"%%distrain: --backend is for torch cells; drop it for {framework}.")
+        if opts.strategy is not None and framework != "tf":
+            raise UsageError(
+                f"%%distrain: --strategy is for TensorFlow cells; drop it for {framework}, "
+                "or add --framework tf."
+            )
         if opts.backend == "nccl" and not any(e.gpu for e in self.cluster.engines):
             raise UsageError(
                 "%%distrain: --backend nccl needs GPUs and this cluster has none. "
@@ -155,23 +163,35 @@ class Runner:
         )
         self.cluster.warm.add(framework)
 
-    def _rendezvous(self, framework: str, opts: RunOptions) -> list[dict[str, str]]:
-        key = (framework, opts.backend)
+    def _rendezvous(
+        self, framework: str, opts: RunOptions, world: int, backend_options: dict[str, Any]
+    ) -> list[dict[str, str]]:
+        key = (framework, opts.backend, opts.strategy, world)
         live = self.cluster.rendezvous.get(framework)
         if live is not None and live.key == key:
             return live.envs
-        world = self.cluster.size
-        hosts = [e.address for e in self.cluster.engines]
-        options = {"master_addr": hosts[0]}
-        prepared = self.cluster.apply_all(
-            worker.prepare,
-            lambda e: {
-                "framework": framework,
-                "rank": e.rank,
-                "world_size": world,
-                "options": options,
-            },
-        )
+        hosts = [e.address for e in self.cluster.engines[:world]]
+        options = {"master_addr": hosts[0], **backend_options}
+
+        def prepare() -> list[dict]:
+            return self.cluster.apply_all(
+                worker.prepare,
+                lambda e: {
+                    "framework": framework,
+                    "rank": e.rank,
+                    "world_size": world,
+                    "options": options,
+                },
+                ranks=range(world),
+            )
+
+        prepared = prepare()
+        reasons = sorted({p["restart"] for p in prepared if p.get("restart")})
+        if reasons:
+            self._notify(f"nbdist: restarting the workers: {reasons[0]}")
+            self.cluster.replace_engines()
+            self._warm_up(framework)
+            prepared = prepare()
         envs = backends.load(framework).rendezvous(hosts, prepared)
         self.cluster.rendezvous[framework] = Rendezvous(key=key, envs=envs)
         return envs
@@ -207,8 +227,18 @@ class Runner:
                 f"{self.cluster.size - 1}."
             )
         self._check_backend(opts, framework)
+        backend_options = {
+            k: v
+            for k, v in (
+                ("backend", opts.backend),
+                ("strategy", opts.strategy),
+                ("timeout", opts.timeout),
+            )
+            if v is not None
+        }
+        world = backends.load(framework).workers_used(backend_options, self.cluster.size)
         self._warm_up(framework)
-        envs = self._rendezvous(framework, opts)
+        envs = self._rendezvous(framework, opts, world, backend_options)
         self._run_id += 1
         filename = f"<%%distrain cell {self._run_id}>"
         specs = [
@@ -218,15 +248,15 @@ class Runner:
                 source=source,
                 filename=filename,
                 rank=e.rank,
-                world_size=self.cluster.size,
+                world_size=world,
                 local_rank=e.local_rank,
-                local_world_size=e.local_world_size,
+                local_world_size=min(e.local_world_size, world),
                 env=envs[e.rank],
-                options={"backend": opts.backend} if opts.backend else {},
+                options=backend_options,
                 push=push,
                 pull=opts.pull if e.rank == 0 else (),
             )
-            for e in self.cluster.engines
+            for e in self.cluster.engines[:world]
         ]
         result, pulled = self._execute(specs, opts, framework)
         user_ns.update(pulled)
@@ -243,7 +273,8 @@ class Runner:
             _RankOutput(s.rank, opts.ranks is None or s.rank in opts.ranks, self.out, self.err)
             for s in specs
         ]
-        watch = self._watch(ars, outputs, opts, start)
+        release = backends.load(framework).peer_release_s(specs[0].options)
+        watch = self._watch(ars, outputs, opts, start, release)
         wall = time.monotonic() - start
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         watch.dead = sorted(set(watch.dead) | set(self.cluster.dead(range(len(specs)))))
@@ -307,9 +338,16 @@ class Runner:
         return result, reports[0].get("pulled") or {}
 
     def _watch(
-        self, ars: list[Any], outputs: list[_RankOutput], opts: RunOptions, start: float
+        self,
+        ars: list[Any],
+        outputs: list[_RankOutput],
+        opts: RunOptions,
+        start: float,
+        release: float,
     ) -> _Watch:
         """Poll until every rank is done, escalating when something goes wrong."""
+        peer_grace = release + PEER_GRACE_S
+        kill_grace = release + KILL_GRACE_S
         watch = _Watch()
         next_liveness = 0.0
         while True:
@@ -324,7 +362,7 @@ class Runner:
                     if any(ars[r].ready() and _failed(ars[r]) for r in range(len(ars))):
                         watch.start("failure", now)
                     elif opts.timeout is not None and now - start > opts.timeout:
-                        watch.start("timeout", now - PEER_GRACE_S)
+                        watch.start("timeout", now - peer_grace)
                 if now >= next_liveness:
                     next_liveness = now + LIVENESS_EVERY_S
                     dead = [r for r in self.cluster.dead(pending) if r not in watch.dead]
@@ -333,10 +371,10 @@ class Runner:
                         watch.start("died", now)
                 if watch.reason is not None:
                     waited = now - watch.since
-                    if not watch.interrupted and waited >= PEER_GRACE_S:
+                    if not watch.interrupted and waited >= peer_grace:
                         watch.interrupted = True
                         self.cluster.interrupt(pending)
-                    elif watch.interrupted and waited >= PEER_GRACE_S + KILL_GRACE_S:
+                    elif watch.interrupted and waited >= peer_grace + kill_grace:
                         alive = [r for r in pending if r not in watch.dead]
                         self.cluster.kill(alive)
                         watch.killed.extend(alive)
@@ -346,10 +384,10 @@ class Runner:
                 time.sleep(POLL_S)
             except KeyboardInterrupt:
                 if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
-                    watch.since = time.monotonic() - PEER_GRACE_S - KILL_GRACE_S
+                    watch.since = time.monotonic() - peer_grace - kill_grace
                 else:
                     watch.reason = "interrupt"
-                    watch.since = time.monotonic() - PEER_GRACE_S
+                    watch.since = time.monotonic() - peer_grace
                     watch.interrupted = False
 
     def _collect(

@@ -49,7 +49,7 @@ def train_cell(epochs=4, hook="pass"):
 def ready(shell):
     """A 2-worker cluster with torch warmed up, shared by this module's tests."""
     shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2", "x = 1\n")
+    shell.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
     return shell
 
 
@@ -80,7 +80,7 @@ def test_rank_env_is_exact_and_restored(ready, magics):
         "{k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',"
         " 'MASTER_ADDR')}, (rank, world_size, local_rank, local_world_size, is_main, str(device))"
     )
-    ready.run_cell_magic("distrain", "-o res", cell)
+    ready.run_cell_magic("distrain", "-o res --framework torch", cell)
     envs = [v[0] for v in ready.user_ns["res"].values]
     assert envs == [
         {
@@ -121,10 +121,10 @@ def test_five_consecutive_runs_warm(ready):
 
 
 def test_output_streams_with_rank_prefix(ready, capsys):
-    ready.run_cell_magic("distrain", "", "print(f'hello from {rank}')\n")
+    ready.run_cell_magic("distrain", "--framework torch", "print(f'hello from {rank}')\n")
     out = capsys.readouterr().out
     assert "[rank 0] hello from 0\n" in out and "[rank 1] hello from 1\n" in out
-    ready.run_cell_magic("distrain", "--ranks 1", "print(f'hello from {rank}')\n")
+    ready.run_cell_magic("distrain", "--ranks 1 --framework torch", "print(f'hello from {rank}')\n")
     out = capsys.readouterr().out
     assert "[rank 1] hello from 1\n" in out and "[rank 0]" not in out
 
@@ -144,7 +144,7 @@ def test_push_and_pull(ready):
 
 def test_pull_of_missing_name_names_it(ready):
     with pytest.raises(WorkerError) as info:
-        ready.run_cell_magic("distrain", "--pull nothere", "x = 1\n")
+        ready.run_cell_magic("distrain", "--pull nothere", "x = torch.ones(1)\n")
     assert "--pull nothere: the cell defines no variable 'nothere' on rank 0" in str(info.value)
 
 
@@ -206,7 +206,7 @@ def test_rank_1_raises_at_step_50(ready, magics):
 
 def test_all_ranks_fail_alike_shown_once(ready):
     with pytest.raises(WorkerError) as info:
-        ready.run_cell_magic("distrain", "", "x = 1\nraise KeyError('missing')\n")
+        ready.run_cell_magic("distrain", "", "x = torch.ones(1)\nraise KeyError('missing')\n")
     assert info.value.ranks == [0, 1]
     rendered = info.value._render_traceback_()
     assert "--- remote traceback, ranks 0, 1 ---" in rendered
@@ -215,7 +215,7 @@ def test_all_ranks_fail_alike_shown_once(ready):
 
 def test_nccl_without_gpus(ready):
     with pytest.raises(UsageError, match="--backend nccl needs GPUs and this cluster has none"):
-        ready.run_cell_magic("distrain", "--backend nccl", "x = 1\n")
+        ready.run_cell_magic("distrain", "--backend nccl", "x = torch.ones(1)\n")
     with pytest.raises(WorkerError) as info:
         ready.run_cell_magic("distrain", "", "dist.init_process_group('nccl')\n")
     assert "init_process_group('nccl') needs a GPU" in str(info.value)
@@ -246,10 +246,10 @@ def test_worker_that_dies_is_reported_and_replaced(ready, magics):
 
 
 def test_resize_with_notice(ready, magics, capsys):
-    ready.run_cell_magic("distrain", "-n 1 -o res", "world_size\n")
+    ready.run_cell_magic("distrain", "-n 1 -o res --framework torch", "world_size\n")
     assert ready.user_ns["res"].values == [1]
     assert "resizing the cluster from 2 to 1 workers" in capsys.readouterr().out
-    ready.run_cell_magic("distrain", "-n 2 -o res", "world_size\n")
+    ready.run_cell_magic("distrain", "-n 2 -o res --framework torch", "world_size\n")
     assert ready.user_ns["res"].values == [2, 2]
 
 
@@ -281,7 +281,7 @@ def test_notebook_interrupt_stops_every_rank(ready, magics):
     timer.start()
     start = time.monotonic()
     with pytest.raises(JobInterrupted, match="interrupted; stopped ranks 0, 1"):
-        ready.run_cell_magic("distrain", "", "import time\ntime.sleep(3600)\n")
+        ready.run_cell_magic("distrain", "--framework torch", "import time\ntime.sleep(3600)\n")
     assert time.monotonic() - start < 1.0 + 5
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")

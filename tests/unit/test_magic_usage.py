@@ -30,10 +30,14 @@ def test_cell_errors_before_any_engine_starts(shell, magics):
     with pytest.raises(UsageError, match="the cell is empty"):
         shell.run_cell_magic("distrain", "", "\n")
     with pytest.raises(UsageError, match="--push nothere: no variable 'nothere'"):
-        shell.run_cell_magic("distrain", "--push nothere", "x = 1\n")
+        shell.run_cell_magic("distrain", "--push nothere", "import torch\n")
     shell.user_ns["gen"] = (i for i in range(3))
     with pytest.raises(UsageError, match="--push gen: a generator cannot be sent"):
-        shell.run_cell_magic("distrain", "--push gen", "x = 1\n")
+        shell.run_cell_magic("distrain", "--push gen", "import torch\n")
+    with pytest.raises(UsageError, match="uses neither framework.*Add --framework torch"):
+        shell.run_cell_magic("distrain", "", "x = 1\n")
+    with pytest.raises(UsageError, match="uses both tf and torch.*Add --framework torch"):
+        shell.run_cell_magic("distrain", "", "import torch, tensorflow\n")
     assert magics.cluster.running == running
 
 

@@ -6,10 +6,15 @@ A backend module provides:
     the ``--framework`` value it serves.
 ``KEEPS_RENDEZVOUS_AFTER_FAILURE``
     whether engines can run the next job on the same rendezvous after a rank failed.
+``workers_used(options, available)``
+    how many of the available engines a job uses (1 for a single-process strategy).
+``peer_release_s(options)``
+    how long a rank blocked in a collective takes to notice that a peer is gone.
 ``warm_up(*, local_world_size, cpus)``
     once per engine: import the framework and size its thread pools.
 ``prepare(*, rank, world_size, options, state)``
-    once per new rendezvous, on every engine: the engine's part of it (e.g. a port it opened).
+    once per new rendezvous, on every engine: the engine's part of it (e.g. a port it opened),
+    or ``{"restart": reason}`` when this engine process cannot take part any more.
 ``rendezvous(hosts, prepared)``
     pure: engine hosts (in rank order) and what ``prepare`` returned → each rank's environment.
 ``session(spec, state)``
@@ -29,6 +34,7 @@ from types import ModuleType
 
 _MODULES = {
     "torch": "nbdist.engine.backends.torch_ddp",
+    "tf": "nbdist.engine.backends.tf_mwms",
 }
 
 FRAMEWORKS = tuple(_MODULES)

@@ -34,6 +34,15 @@ COLLECTIVE_TIMEOUT_S = 60
 log = logging.getLogger(__name__)
 
 
+def workers_used(options: Mapping[str, Any], available: int) -> int:
+    return available
+
+
+def peer_release_s(options: Mapping[str, Any]) -> float:
+    """A rank that fails destroys its group, which frees blocked peers within about a second."""
+    return 1.0
+
+
 def warm_up(*, local_world_size: int, cpus: int) -> None:
     import torch
     import torch.distributed  # noqa: F401

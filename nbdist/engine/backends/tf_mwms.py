@@ -1,0 +1,204 @@
+"""TensorFlow MultiWorkerMirroredStrategy (and single-engine MirroredStrategy).
+
+TensorFlow configures its collectives once per process, from ``TF_CONFIG``, when the first
+strategy is created (see ``shared/NOTES.md``):
+
+* every engine picks its gRPC port once and keeps it for life, so every rendezvous on the same
+  engines yields the same ``TF_CONFIG`` (new ports on live engines hang silently);
+* a new ``MultiWorkerMirroredStrategy`` per run with that same ``TF_CONFIG`` is cheap (~0.04 s);
+* every collective has a timeout, so a rank that raised inside ``model.fit`` makes its peers fail
+  with DeadlineExceeded instead of blocking forever, and the engines stay usable;
+* a worker process that dies poisons the survivors: the notebook side replaces every engine.
+
+Keras 3's ``model.fit`` fails under MultiWorkerMirroredStrategy with two or more workers
+(keras-team/keras#20585, still open in Keras 3.15). :func:`patch_keras` fixes the two internals
+involved; it is applied only to Keras 3 versions that have them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from nbdist.engine.spec import RankSpec
+from nbdist.engine.state import EngineState
+
+NAME = "tf"
+KEEPS_RENDEZVOUS_AFTER_FAILURE = True
+COLLECTIVE_TIMEOUT_S = 15.0
+STRATEGIES = ("multiworker", "mirrored")
+
+log = logging.getLogger(__name__)
+
+
+def collective_timeout(options: Mapping[str, Any]) -> float:
+    """Seconds a collective may wait for a peer: the default, or less with ``--timeout``."""
+    limit = options.get("timeout")
+    return min(COLLECTIVE_TIMEOUT_S, limit) if limit else COLLECTIVE_TIMEOUT_S
+
+
+def peer_release_s(options: Mapping[str, Any]) -> float:
+    """How long a rank blocked in a collective takes to notice that its peer is gone."""
+    return collective_timeout(options)
+
+
+def workers_used(options: Mapping[str, Any], available: int) -> int:
+    """MirroredStrategy runs in one engine (over that machine's GPUs); MWMS on all of them."""
+    return 1 if options.get("strategy") == "mirrored" else available
+
+
+def _mode(options: Mapping[str, Any]) -> str:
+    return "mirrored" if options.get("strategy") == "mirrored" else "multiworker"
+
+
+def warm_up(*, local_world_size: int, cpus: int) -> None:
+    # TensorFlow's C++ INFO lines and its per-collective Python INFO logs would flood the cell.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.get_logger().setLevel(logging.WARNING)
+
+    # Threading must be set before TensorFlow runs its first op in this process.
+    threads = max(1, cpus // max(1, local_world_size))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    import keras  # noqa: F401 - ~2 s of imports, paid here rather than in the first cell
+
+
+def prepare(
+    *, rank: int, world_size: int, options: Mapping[str, Any], state: EngineState
+) -> dict[str, Any]:
+    slot = state.slot(NAME)
+    mode = _mode(options)
+    if slot.get("mode") not in (None, mode):
+        return {
+            "restart": f"TensorFlow in these workers already ran {slot['mode']} collectives and "
+            f"cannot switch to {mode} in the same process"
+        }
+    if "port" not in slot:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((options.get("bind_addr", "127.0.0.1"), 0))
+            slot["port"] = s.getsockname()[1]
+    return {"port": slot["port"]}
+
+
+def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Per-rank ``TF_CONFIG``: every engine a worker, task index = rank."""
+    workers = [f"{host}:{p['port']}" for host, p in zip(hosts, prepared, strict=True)]
+    return [
+        {
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}},
+                sort_keys=True,
+            )
+        }
+        for rank in range(len(hosts))
+    ]
+
+
+def patch_keras() -> bool:
+    """Fix Keras 3 ``fit`` under multi-worker MWMS; returns whether the patch applies."""
+    import keras
+
+    if not keras.__version__.startswith("3."):
+        return False
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    if getattr(tf_trainer, "_nbdist_patched", False):
+        return True
+    if not (
+        hasattr(tf_trainer, "reduce_per_replica")
+        and hasattr(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+    ):
+        log.warning(
+            "Keras %s: internals changed; multi-worker fit is not patched", keras.__version__
+        )
+        return False
+    import tensorflow as tf
+    from keras.src import tree
+
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def reduce_per_replica(values, strategy, reduction):
+        # Keras reduces scalar metrics across workers with axis=0, which scalars don't have.
+        if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
+            strategy
+        ):
+            return tree.map_structure(
+                lambda v: strategy.reduce("MEAN", v, axis=None if v.shape.rank == 0 else 0),
+                values,
+            )
+        return original_reduce(values, strategy, reduction)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is None:
+            return
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                # Only shapes matter for the symbolic build: a local replica's batch will do.
+                # Keras reduced it across workers, which MWMS cannot do outside a tf.function.
+                data_batch = tree.map_structure(
+                    lambda x: (
+                        self.distribute_strategy.experimental_local_results(x)[0]
+                        if isinstance(x, tf.distribute.DistributedValues)
+                        else x
+                    ),
+                    batch,
+                )
+                break
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer._nbdist_patched = True
+    return True
+
+
+@contextmanager
+def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
+    import tensorflow as tf
+
+    slot = state.slot(NAME)
+    patch_keras()
+    gpus = tf.config.list_physical_devices("GPU")
+    slot["mode"] = _mode(spec.options)
+    if slot["mode"] == "mirrored":
+        strategy = tf.distribute.MirroredStrategy()
+    else:
+        tf_config = os.environ["TF_CONFIG"]
+        configured = slot.get("tf_config")
+        if configured is not None and configured != tf_config:
+            raise RuntimeError(
+                f"rank {spec.rank}: this engine's TensorFlow collectives were set up for another "
+                "cluster and cannot be changed in a running process. Run %distrain restart."
+            )
+        implementation = (
+            tf.distribute.experimental.CommunicationImplementation.NCCL
+            if gpus
+            else tf.distribute.experimental.CommunicationImplementation.RING
+        )
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=implementation, timeout_seconds=collective_timeout(spec.options)
+        )
+        absl = logging.getLogger("absl")
+        level = absl.level
+        # "Enabling collective ops after program startup may cause error when accessing
+        # previously created tensors": nbdist creates no tensor before this point.
+        absl.setLevel(logging.ERROR)
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        finally:
+            absl.setLevel(level)
+        slot["tf_config"] = tf_config
+    yield {"tf": tf, "strategy": strategy}
+
+
+def recover(state: EngineState) -> None:
+    """Nothing to undo: after a collective timed out the same TF_CONFIG works again."""

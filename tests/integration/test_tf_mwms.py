@@ -1,0 +1,149 @@
+"""%%distrain with TensorFlow MultiWorkerMirroredStrategy on 2 real engines (RING on CPU)."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from nbdist import WorkerError
+
+pytestmark = [pytest.mark.cluster, pytest.mark.tf, pytest.mark.slow]
+
+FIT = textwrap.dedent(
+    """
+    import numpy as np
+    import keras
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1))).astype("float32")
+    hist = model.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=CALLBACKS)
+    hist.history["loss"], model.get_weights()
+    """
+)
+
+
+def fit_cell(epochs=3, callbacks="[]"):
+    return FIT.replace("EPOCHS", str(epochs)).replace("CALLBACKS", callbacks)
+
+
+@pytest.fixture(scope="module")
+def tf_ready(shell):
+    shell.run_line_magic("distrain", "start -n 2")
+    shell.run_cell_magic("distrain", "-n 2 --framework tf", "x = 1\n")
+    return shell
+
+
+def _assert_trained_in_sync(values):
+    (loss0, w0), (loss1, w1) = values
+    assert loss0 == loss1
+    assert loss0[-1] < 0.5 * loss0[0]
+    assert len(w0) == len(w1) == 4
+    for a, b in zip(w0, w1, strict=True):
+        assert (a == b).all()
+
+
+def test_keras_fit_two_workers_weights_identical(tf_ready, capsys):
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell())
+    _assert_trained_in_sync(tf_ready.user_ns["res"].values)
+    assert tf_ready.user_ns["res"].framework == "tf"
+    assert "INFO:tensorflow" not in capsys.readouterr().out
+
+
+def test_tf_config_per_rank(tf_ready):
+    cell = "import json, os\njson.loads(os.environ['TF_CONFIG']), strategy.num_replicas_in_sync\n"
+    tf_ready.run_cell_magic("distrain", "-o res --framework tf", cell)
+    (c0, n0), (c1, n1) = tf_ready.user_ns["res"].values
+    assert (n0, n1) == (2, 2)
+    assert c0["task"] == {"type": "worker", "index": 0}
+    assert c1["task"] == {"type": "worker", "index": 1}
+    assert c0["cluster"] == c1["cluster"]
+    hosts = [w.rsplit(":", 1)[0] for w in c0["cluster"]["worker"]]
+    assert hosts == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_second_job_reuses_engines(tf_ready, capsys):
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    _assert_trained_in_sync_2 = tf_ready.user_ns["res"].values
+    (l0, _), (l1, _) = _assert_trained_in_sync_2
+    assert l0 == l1 and l0[-1] < l0[0]
+    assert "replacing the engines" not in capsys.readouterr().out
+
+
+def test_seed_snippet_with_its_own_strategy(tf_ready):
+    """The article's TF snippet: indented, model inside strategy.scope(), connect() removed."""
+    seed = textwrap.dedent(
+        """
+        import tensorflow as tf
+        import numpy as np
+
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            model = tf.keras.Sequential([
+                tf.keras.layers.Dense(64, activation='relu'),
+                tf.keras.layers.Dense(10, activation='softmax'),
+            ])
+            model.compile(optimizer='adam', loss='sparse_categorical_crossentropy',
+                          metrics=['accuracy'])
+        x = np.random.default_rng(0).normal(size=(256, 20)).astype('float32')
+        y = (x[:, 0] > 0).astype('int64')
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        model.fit(dataset, epochs=2, verbose=0)
+        [w.sum() for w in model.get_weights()]
+        """
+    )
+    tf_ready.run_cell_magic("distrain", "-o res", seed)
+    w0, w1 = tf_ready.user_ns["res"].values
+    assert w0 == w1
+
+
+def test_worker_raising_inside_fit(tf_ready, magics):
+    callback = (
+        "[keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: "
+        "(_ for _ in ()).throw(ValueError('bad batch')) if rank == 1 and b == 3 else None)]"
+    )
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=50, callbacks=callback))
+    assert time.monotonic() - start < 15 + 10  # the collective timeout, plus margin
+    assert info.value.ranks == [1]
+    assert "raised ValueError: bad batch" in str(info.value)
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    (l0, _), (l1, _) = tf_ready.user_ns["res"].values
+    assert l0 == l1
+
+
+def test_torch_then_tf_then_torch(tf_ready):
+    torch_cell = (
+        "m = nn.parallel.DistributedDataParallel(nn.Linear(2, 1))\n"
+        "m(torch.ones(4, 2)).sum().backward()\n"
+        "dist.get_world_size()\n"
+    )
+    tf_ready.run_cell_magic("distrain", "-o res", torch_cell)
+    assert tf_ready.user_ns["res"].values == [2, 2]
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    (l0, _), (l1, _) = tf_ready.user_ns["res"].values
+    assert l0 == l1
+    tf_ready.run_cell_magic("distrain", "-o res", torch_cell)
+    assert tf_ready.user_ns["res"].values == [2, 2]
+
+
+def test_mirrored_strategy_runs_in_one_engine(tf_ready, capsys):
+    cell = (
+        "strategy.num_replicas_in_sync, type(strategy).__name__, "
+        "[d.split('/')[-1] for d in strategy.extended.worker_devices]\n"
+    )
+    tf_ready.run_cell_magic("distrain", "-o res --strategy mirrored", cell)
+    assert tf_ready.user_ns["res"].values == [(1, "MirroredStrategy", ["device:CPU:0"])]
+    assert "restarting the workers: TensorFlow in these workers already ran multiworker" in (
+        capsys.readouterr().out
+    )
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    (l0, _), (l1, _) = tf_ready.user_ns["res"].values
+    assert l0 == l1
