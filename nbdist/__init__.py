@@ -17,15 +17,18 @@ from nbdist.errors import (
     WorkerDied,
     WorkerError,
 )
+from nbdist.kernel.checks import CheckContext, Finding, check_source
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckContext",
     "ClusterError",
     "DistrainError",
     "DistrainResult",
+    "Finding",
     "JobInterrupted",
     "JobTimeout",
     "NbdistWarning",
@@ -35,6 +38,7 @@ __all__ = [
     "WorkerDied",
     "WorkerError",
     "__version__",
+    "check_source",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]

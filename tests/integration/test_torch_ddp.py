@@ -135,7 +135,7 @@ def test_push_and_pull(ready):
     ready.user_ns["base"] = torch.arange(4.0)
     ready.run_cell_magic(
         "distrain",
-        "--push base --pull total,doubled",
+        "--push base --pull total,doubled --framework torch",
         "total = base.sum().item() + rank\ndoubled = base * 2\n",
     )
     assert ready.user_ns["total"] == 6.0

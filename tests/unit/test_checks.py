@@ -173,8 +173,9 @@ def _correct_cells():
         nb = nbformat.read(path, as_version=4)
         for i, cell in enumerate(nb.cells):
             if cell.cell_type == "code" and cell.source.startswith("%%distrain"):
-                if "nbdist: expect-findings" not in cell.source:
-                    yield f"{path.name}#{i}", cell.source.split("\n", 1)[1]
+                first, body = cell.source.split("\n", 1)
+                if "--check-only" not in first:  # those show mistakes on purpose
+                    yield f"{path.name}#{i}", body
     from tests.integration import test_torch_ddp as t
 
     yield "TRAIN", t.train_cell()
@@ -183,3 +184,22 @@ def _correct_cells():
 @pytest.mark.parametrize(("where", "source"), list(_correct_cells()), ids=lambda v: str(v)[:40])
 def test_no_false_alarms_on_correct_cells(where, source):
     assert check_source(source, CPU) == []
+
+
+def test_every_pointer_names_a_section_of_tutorial_04():
+    import re
+
+    from nbdist.kernel import checks
+
+    source = Path(checks.__file__).read_text()
+    sections = set(re.findall(r"see \{TUTORIAL\}, '([^']+)'", source))
+    nb = nbformat.read(Path(__file__).parents[2] / checks.TUTORIAL, as_version=4)
+    headings = {
+        line.lstrip("#").strip()
+        for cell in nb.cells
+        if cell.cell_type == "markdown"
+        for line in cell.source.splitlines()
+        if line.startswith("#")
+    }
+    assert len(sections) == 8
+    assert sections <= headings, sections - headings

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -163,6 +164,12 @@ def patch_keras() -> bool:
 
 @contextmanager
 def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
+    with _quiet(), _session(spec, state) as names:
+        yield names
+
+
+@contextmanager
+def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     import tensorflow as tf
 
     slot = state.slot(NAME)
@@ -187,17 +194,33 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation, timeout_seconds=collective_timeout(spec.options)
         )
-        absl = logging.getLogger("absl")
-        level = absl.level
-        # "Enabling collective ops after program startup may cause error when accessing
-        # previously created tensors": nbdist creates no tensor before this point.
-        absl.setLevel(logging.ERROR)
-        try:
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-        finally:
-            absl.setLevel(level)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         slot["tf_config"] = tf_config
     yield {"tf": tf, "strategy": strategy}
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence two messages every MWMS run would print, neither of them about the user's code.
+
+    absl warns "Enabling collective ops after program startup may cause error when accessing
+    previously created tensors" each time a strategy is created (nbdist creates no tensor before
+    its strategy), and Keras warns that ``shuffle=True`` (``fit``'s default) is ignored for every
+    ``tf.data`` input.
+    """
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore",
+                message="`shuffle=True` was passed, but will be ignored",
+                category=UserWarning,
+            )
+            yield
+    finally:
+        absl.setLevel(level)
 
 
 def recover(state: EngineState) -> None:
