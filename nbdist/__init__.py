@@ -7,6 +7,7 @@ needs them.
 
 from typing import Any as _Any
 
+from nbdist.engine.metrics import log
 from nbdist.errors import (
     ClusterError,
     DistrainError,
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "check_source",
     "load_ipython_extension",
+    "log",
     "unload_ipython_extension",
 ]
 

@@ -26,3 +26,4 @@ class RankSpec:
     options: dict[str, Any] = field(default_factory=dict)
     push: dict[str, Any] = field(default_factory=dict)
     pull: tuple[str, ...] = ()
+    autolog: bool = True

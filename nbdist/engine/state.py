@@ -19,6 +19,7 @@ class EngineState:
     warm: set[str] = field(default_factory=set)
     gpu: str | None = None
     slots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    recorder: Any = None  # the running cell's metrics Recorder, None between runs
 
     def slot(self, backend: str) -> dict[str, Any]:
         """The mutable dict a backend keeps its own state in."""

@@ -27,6 +27,7 @@ from typing import Any
 from nbdist.engine import backends
 from nbdist.engine.env import patch_environment
 from nbdist.engine.hardware import engine_info
+from nbdist.engine.metrics import Recorder
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import engine_state
 
@@ -138,10 +139,13 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "__main__"}
     report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
     failure = None
+    recorder = Recorder(_publisher(), autolog=spec.autolog)
+    state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
             namespace.update(names)
             namespace.update(
+                log=recorder.log,
                 rank=spec.rank,
                 world_size=spec.world_size,
                 local_rank=spec.local_rank,
@@ -160,6 +164,8 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         failure = _describe(exc, spec, host)
     finally:
         with _sigint_ignored():
+            state.recorder = None
+            recorder.flush()
             namespace.clear()
             if failure is not None:
                 gc.collect()
@@ -167,8 +173,16 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
             sys.stdout.flush()
             sys.stderr.flush()
     report["failure"] = failure
+    report["messages"] = recorder.messages
     report["wall"] = time.perf_counter() - start
     return report
+
+
+def _publisher() -> Any:
+    """ipyparallel's ``publish_data``: this engine's data channel to the notebook."""
+    from ipyparallel.engine.datapub import publish_data
+
+    return publish_data
 
 
 class _PullError(Exception):

@@ -32,6 +32,7 @@ class RunOptions:
     timeout: float | None = None
     check: bool = True
     check_only: bool = False
+    autolog: bool = True
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,6 +148,12 @@ def run_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, metavar="S", help="stop the whole job after S seconds"
     )
     p.add_argument(
+        "--no-autolog",
+        dest="autolog",
+        action="store_false",
+        help="record only what the cell passes to log(...); no automatic loss/batch capture",
+    )
+    p.add_argument(
         "--no-check",
         dest="check",
         action="store_false",
@@ -181,4 +188,5 @@ def parse_run_options(line: str) -> RunOptions:
         timeout=ns.timeout,
         check=ns.check,
         check_only=ns.check_only,
+        autolog=ns.autolog,
     )

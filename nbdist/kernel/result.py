@@ -34,12 +34,17 @@ class DistrainResult:
     ranks : tuple of RankResult
         Per-rank value of the cell's last expression (``None`` if it had none or it could not be
         pickled; ``value_repr`` always holds its repr), wall time and stdout/stderr.
+    history : tuple of dict
+        Every metric point of every rank, in arrival order: ``{"rank", "step", "time", <metric>:
+        value, ...}`` (``log(...)`` calls and automatic capture). ``pandas.DataFrame(r.history)``
+        makes a table of it.
     """
 
     framework: str
     world_size: int
     wall: float
     ranks: tuple[RankResult, ...]
+    history: tuple[dict[str, Any], ...] = ()
 
     @property
     def values(self) -> list[Any]:

@@ -37,6 +37,7 @@ from nbdist.errors import (
 )
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
+from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import infer_framework, parse_cell
@@ -48,6 +49,7 @@ PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
 KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
 POLL_S = 0.02
 LIVENESS_EVERY_S = 0.25
+LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 
 
 class _RankOutput:
@@ -255,6 +257,7 @@ class Runner:
                 options=backend_options,
                 push=push,
                 pull=opts.pull if e.rank == 0 else (),
+                autolog=opts.autolog,
             )
             for e in self.cluster.engines[:world]
         ]
@@ -274,7 +277,8 @@ class Runner:
             for s in specs
         ]
         release = backends.load(framework).peer_release_s(specs[0].options)
-        watch = self._watch(ars, outputs, opts, start, release)
+        stream = MetricsStream(len(specs))
+        watch = self._watch(ars, outputs, stream, opts, start, release)
         wall = time.monotonic() - start
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         watch.dead = sorted(set(watch.dead) | set(self.cluster.dead(range(len(specs)))))
@@ -295,6 +299,7 @@ class Runner:
             hosts_pids = {}
 
         reports, failures, stopped = self._collect(ars, specs, watch)
+        self._drain(ars, stream, [reports.get(s.rank, {}).get("messages", 0) for s in specs])
         backend = backends.load(framework)
         if failures or watch.reason is not None:
             if not backend.KEEPS_RENDEZVOUS_AFTER_FAILURE:
@@ -334,13 +339,20 @@ class Runner:
             )
             for s in specs
         )
-        result = DistrainResult(framework=framework, world_size=len(specs), wall=wall, ranks=ranks)
+        result = DistrainResult(
+            framework=framework,
+            world_size=len(specs),
+            wall=wall,
+            ranks=ranks,
+            history=tuple(stream.history),
+        )
         return result, reports[0].get("pulled") or {}
 
     def _watch(
         self,
         ars: list[Any],
         outputs: list[_RankOutput],
+        stream: MetricsStream,
         opts: RunOptions,
         start: float,
         release: float,
@@ -352,8 +364,9 @@ class Runner:
         next_liveness = 0.0
         while True:
             try:
-                for ar, output in zip(ars, outputs, strict=True):
+                for rank, (ar, output) in enumerate(zip(ars, outputs, strict=True)):
                     output.pump(ar)
+                    stream.pump(rank, ar.data)
                 pending = [r for r, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
                     return watch
@@ -389,6 +402,17 @@ class Runner:
                     watch.reason = "interrupt"
                     watch.since = time.monotonic() - peer_grace
                     watch.interrupted = False
+
+    @staticmethod
+    def _drain(ars: list[Any], stream: MetricsStream, expected: list[int]) -> None:
+        """Read the metrics messages still in flight when the results arrived."""
+        deadline = time.monotonic() + LAST_METRICS_WAIT_S
+        while True:
+            for rank, ar in enumerate(ars):
+                stream.pump(rank, ar.data)
+            if stream.complete(expected) or time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)
 
     def _collect(
         self, ars: list[Any], specs: list[RankSpec], watch: _Watch

@@ -147,3 +147,17 @@ def test_mirrored_strategy_runs_in_one_engine(tf_ready, capsys):
     tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
     (l0, _), (l1, _) = tf_ready.user_ns["res"].values
     assert l0 == l1
+
+
+def test_keras_autolog_per_batch_loss(tf_ready):
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    res = tf_ready.user_ns["res"]
+    (epoch_losses, _), _ = res.values
+    for rank in (0, 1):
+        points = [p for p in res.history if p["rank"] == rank]
+        assert len(points) == 2 * 8  # 512 samples, global batch 64: 8 steps per epoch
+        assert {p["samples"] for p in points} == {32}  # this worker's half of the batch
+    # Per-batch losses average back to the epoch means Keras reports.
+    rank0 = [p["loss"] for p in res.history if p["rank"] == 0]
+    assert sum(rank0[:8]) / 8 == pytest.approx(epoch_losses[0], rel=1e-4)
+    assert sum(rank0[8:]) / 8 == pytest.approx(epoch_losses[1], rel=1e-4)

@@ -286,3 +286,28 @@ def test_notebook_interrupt_stops_every_rank(ready, magics):
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
     assert ready.user_ns["res"].values == [2, 2]
+
+
+def test_every_logged_point_arrives_in_order(ready):
+    cell = "for i in range(3000):\n    log(value=i * (rank + 1))\nnbdist_done = True\n"
+    ready.run_cell_magic("distrain", "-o res --framework torch", cell)
+    history = ready.user_ns["res"].history
+    for rank in (0, 1):
+        points = [p for p in history if p["rank"] == rank]
+        assert [p["step"] for p in points] == list(range(3000))
+        assert [p["value"] for p in points] == [i * (rank + 1) for i in range(3000)]
+
+
+def test_autolog_captures_loss_and_batch_size(ready):
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=2))
+    res = ready.user_ns["res"]
+    losses = res.values[0][0], res.values[0][1]
+    for rank in (0, 1):
+        points = [p for p in res.history if p["rank"] == rank]
+        assert len(points) == 2 * 8  # 256 samples per rank, batches of 32, two epochs
+        assert {p["samples"] for p in points} == {32}
+        assert [p["step"] for p in points] == list(range(16))
+    rank0 = [p["loss"] for p in res.history if p["rank"] == 0]
+    assert (rank0[0], rank0[-1]) == pytest.approx(losses)
+    ready.run_cell_magic("distrain", "-o res --no-autolog", train_cell(epochs=1))
+    assert ready.user_ns["res"].history == ()

@@ -196,7 +196,62 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
         )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         slot["tf_config"] = tf_config
-    yield {"tf": tf, "strategy": strategy}
+    with _autolog(state.recorder, spec.world_size):
+        yield {"tf": tf, "strategy": strategy}
+
+
+@contextmanager
+def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
+    """Add a callback to every ``model.fit`` of the run that records each batch's loss.
+
+    Keras passes the epoch's running mean as ``logs["loss"]``; the callback turns it back into
+    the batch's own loss, so plots do not jump at epoch boundaries. ``samples`` is this worker's
+    share of the global batch when ``fit`` is given ``batch_size``.
+    """
+    import keras
+
+    if recorder is None or not recorder.autolog:
+        yield
+        return
+
+    class _Autolog(keras.callbacks.Callback):
+        def __init__(self, per_worker: int | None) -> None:
+            super().__init__()
+            self.per_worker = per_worker
+            self.mean = 0.0
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.mean = 0.0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if not logs or "loss" not in logs:
+                return
+            mean = float(logs["loss"])
+            n = batch + 1
+            metrics: dict[str, Any] = {"loss": mean * n - self.mean * (n - 1)}
+            self.mean = mean
+            if self.per_worker:
+                metrics["samples"] = self.per_worker
+            recorder.auto(**metrics)
+
+    real_fit = keras.Model.fit
+
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = kwargs.get("batch_size")
+        callbacks = list(kwargs.get("callbacks") or [])
+        callbacks.append(_Autolog(batch // world_size if batch else None))
+        kwargs["callbacks"] = callbacks
+        return real_fit(self, *args, **kwargs)
+
+    own = "fit" in vars(keras.Model)  # fit is inherited from the backend's trainer
+    keras.Model.fit = fit
+    try:
+        yield
+    finally:
+        if own:
+            keras.Model.fit = real_fit
+        else:
+            del keras.Model.fit
 
 
 @contextmanager

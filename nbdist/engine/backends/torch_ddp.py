@@ -160,8 +160,40 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
         device = torch.device("cuda", 0)
     else:
         device = torch.device("cpu")
-    with _owned_process_group(slot["backend"], device):
+    with _owned_process_group(slot["backend"], device), _autolog(state.recorder):
         yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
+
+
+@contextmanager
+def _autolog(recorder: Any) -> Iterator[None]:
+    """Capture, with no code in the cell, each scalar loss ``backward()`` is called on and the
+    batch size of each forward pass of a DDP model."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    if recorder is None or not recorder.autolog:
+        yield
+        return
+    real_backward = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.numel() == 1:
+            recorder.auto(loss=self.detach())
+        return real_backward(self, *args, **kwargs)
+
+    def count_batch(module: Any, args: tuple) -> None:
+        if isinstance(module, DistributedDataParallel) and args:
+            shape = getattr(args[0], "shape", None)
+            if shape:
+                recorder.pend(samples=int(shape[0]))
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_batch)
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = real_backward
+        hook.remove()
 
 
 @contextmanager

@@ -1,0 +1,109 @@
+"""Metric points recorded on a rank and streamed to the notebook while the cell runs.
+
+ipyparallel's ``publish_data`` merges dicts on the client, keeping only the latest value per
+key (``shared/NOTES.md``), so a reader polling one key would drop points. Each message here
+goes under its own key, ``nbdist-<seq>``, with ``seq`` counting messages 0, 1, 2, ... per rank;
+the notebook side pops keys in order (bounded memory there) and detects any gap. Points are
+batched: a message goes out when ``FLUSH_S`` has passed since the last one or ``MAX_BATCH``
+points are waiting (bounded memory here), and once more when the run ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nbdist.engine.state import engine_state
+
+KEY_PREFIX = "nbdist-"
+FLUSH_S = 0.1
+MAX_BATCH = 1000
+
+Point = tuple[int, float, dict[str, Any]]  # (step, unix time, {metric: value})
+
+
+def _scalar(value: Any) -> Any:
+    """A plain float for tensors and numpy scalars; anything else as it is."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
+class Recorder:
+    """Records one rank's metric points for one run and publishes them in batches.
+
+    ``log`` is what the cell calls; it turns automatic capture off for the quantities it logs.
+    ``auto`` is what the backends' hooks call (the loss of each ``backward()``, a Keras batch).
+    """
+
+    def __init__(
+        self,
+        publish: Callable[[dict[str, Any]], None],
+        *,
+        autolog: bool = True,
+        total_steps: int | None = None,
+    ) -> None:
+        self._publish = publish
+        self.autolog = autolog
+        self.total_steps = total_steps
+        self.messages = 0
+        self._step = 0
+        self._explicit: set[str] = set()
+        self._pending: dict[str, Any] = {}
+        self._buffer: list[Point] = []
+        self._last_flush = time.monotonic()
+
+    def log(self, step: int | None = None, **metrics: Any) -> None:
+        """Record ``metrics`` (e.g. ``loss=..., samples=...``) for this rank at ``step``."""
+        self._explicit.update(metrics)
+        self._record(step, metrics)
+
+    def auto(self, **metrics: Any) -> None:
+        """Record automatically captured metrics, except those the cell logs itself."""
+        if not self.autolog:
+            return
+        kept = {k: v for k, v in metrics.items() if k not in self._explicit}
+        if kept:
+            self._record(None, kept)
+
+    def pend(self, **metrics: Any) -> None:
+        """Hold automatically captured metrics to join the next point (a batch's size)."""
+        if self.autolog:
+            self._pending.update({k: v for k, v in metrics.items() if k not in self._explicit})
+
+    def _record(self, step: int | None, metrics: dict[str, Any]) -> None:
+        if step is None:
+            step = self._step
+        self._step = step + 1
+        if self._pending:
+            metrics = {**self._pending, **metrics}
+            self._pending = {}
+        self._buffer.append((step, time.time(), metrics))
+        if len(self._buffer) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish the waiting points as one message."""
+        self._last_flush = time.monotonic()
+        if not self._buffer:
+            return
+        # Tensors are converted here, ~10 times a second, not at every step (a GPU sync each).
+        points = [(s, t, {k: _scalar(v) for k, v in m.items()}) for s, t, m in self._buffer]
+        self._buffer = []
+        self._publish({f"{KEY_PREFIX}{self.messages:08d}": points})
+        self.messages += 1
+
+
+def log(step: int | None = None, **metrics: Any) -> None:
+    """Record metrics for this rank from inside a ``%%distrain`` cell (``nbdist.log``).
+
+    ``log(loss=loss, samples=len(batch))`` records one point; ``step`` defaults to one more than
+    the last. Logging a quantity yourself turns its automatic capture off for the run.
+    """
+    recorder = engine_state().recorder
+    if recorder is None:
+        raise RuntimeError(
+            "nbdist.log records metrics from inside a %%distrain cell; in the notebook itself "
+            "there is no run to record them for."
+        )
+    recorder.log(step, **metrics)

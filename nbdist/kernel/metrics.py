@@ -1,0 +1,47 @@
+"""The notebook's side of the metrics stream: every point of every rank, in order.
+
+Each rank publishes batches of points under keys ``nbdist-<seq>`` (``nbdist.engine.metrics``).
+:class:`MetricsStream` pops those keys from each rank's ``AsyncResult.data`` in sequence order,
+so the client's dict never holds more than the messages not yet read, and records a gap if a
+sequence number is ever skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbdist.engine.metrics import KEY_PREFIX
+
+
+@dataclass
+class MetricsStream:
+    """Merges the points of ``world`` ranks as they arrive."""
+
+    world: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # (rank, missing seq)
+    received: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.received = [0] * self.world
+
+    def pump(self, rank: int, data: MutableMapping[str, Any]) -> int:
+        """Take rank ``rank``'s new messages out of ``data``; returns the points added."""
+        keys = sorted(k for k in list(data) if k.startswith(KEY_PREFIX))
+        added = 0
+        for key in keys:
+            seq = int(key[len(KEY_PREFIX) :])
+            while self.received[rank] < seq:  # a message that never came
+                self.gaps.append((rank, self.received[rank]))
+                self.received[rank] += 1
+            for step, t, metrics in data.pop(key):
+                self.history.append({"rank": rank, "step": step, "time": t, **metrics})
+                added += 1
+            self.received[rank] = seq + 1
+        return added
+
+    def complete(self, expected: list[int]) -> bool:
+        """Whether every rank's ``expected`` number of messages has been read."""
+        return all(got >= want for got, want in zip(self.received, expected, strict=True))
