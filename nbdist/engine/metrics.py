@@ -17,6 +17,7 @@ from typing import Any
 from nbdist.engine.state import engine_state
 
 KEY_PREFIX = "nbdist-"
+META_KEY = "nbdist~meta"  # latest-value semantics are right for it: totals, batch sizes
 FLUSH_S = 0.1
 MAX_BATCH = 1000
 
@@ -50,6 +51,7 @@ class Recorder:
         self._step = 0
         self._explicit: set[str] = set()
         self._pending: dict[str, Any] = {}
+        self._meta: dict[str, Any] = {}
         self._buffer: list[Point] = []
         self._last_flush = time.monotonic()
 
@@ -57,6 +59,17 @@ class Recorder:
         """Record ``metrics`` (e.g. ``loss=..., samples=...``) for this rank at ``step``."""
         self._explicit.update(metrics)
         self._record(step, metrics)
+
+    __call__ = log  # the cell's ``log(...)`` is the recorder itself
+
+    def expect(self, total_steps: int) -> None:
+        """Announce how many steps the run will take, for the panel's ETA."""
+        self.meta(total_steps=int(total_steps))
+
+    def meta(self, **info: Any) -> None:
+        """Facts about the run (total steps, batch sizes); the notebook keeps the latest."""
+        self._meta.update(info)
+        self._publish({META_KEY: dict(self._meta)})
 
     def auto(self, **metrics: Any) -> None:
         """Record automatically captured metrics, except those the cell logs itself."""

@@ -145,7 +145,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         with patch_environment(spec.env), backend.session(spec, state) as names:
             namespace.update(names)
             namespace.update(
-                log=recorder.log,
+                log=recorder,
                 rank=spec.rank,
                 world_size=spec.world_size,
                 local_rank=spec.local_rank,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from contextlib import nullcontext
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -154,8 +156,18 @@ class DistrainMagics(Magics):
         if cell is None:
             return self._subcommand(line)
         opts = parse_run_options(line)
-        self.runner.run(opts, cell, self.shell.user_ns)
+        with self._ui_events() as poll:
+            ui_poll = (lambda: poll(20)) if poll is not None else None
+            self.runner.run(opts, cell, self.shell.user_ns, ui_poll=ui_poll)
         return None
+
+    def _ui_events(self) -> Any:
+        """In a Jupyter kernel, a way to handle widget events (Stop) while the cell runs."""
+        if getattr(self.shell, "kernel", None) is None:
+            return nullcontext(None)
+        from jupyter_ui_poll import ui_events
+
+        return ui_events()
 
     def _subcommand(self, line: str) -> None:
         try:

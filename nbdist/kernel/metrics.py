@@ -12,7 +12,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine.metrics import KEY_PREFIX
+from nbdist.engine.metrics import KEY_PREFIX, META_KEY
 
 
 @dataclass
@@ -23,12 +23,16 @@ class MetricsStream:
     history: list[dict[str, Any]] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # (rank, missing seq)
     received: list[int] = field(init=False)
+    meta: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.received = [0] * self.world
+        self.meta = [{} for _ in range(self.world)]
 
     def pump(self, rank: int, data: MutableMapping[str, Any]) -> int:
         """Take rank ``rank``'s new messages out of ``data``; returns the points added."""
+        if META_KEY in data:
+            self.meta[rank] = dict(data[META_KEY])
         keys = sorted(k for k in list(data) if k.startswith(KEY_PREFIX))
         added = 0
         for key in keys:
@@ -45,3 +49,8 @@ class MetricsStream:
     def complete(self, expected: list[int]) -> bool:
         """Whether every rank's ``expected`` number of messages has been read."""
         return all(got >= want for got, want in zip(self.received, expected, strict=True))
+
+    def total_steps(self) -> int | None:
+        """The largest total any rank announced, if any did."""
+        totals = [m["total_steps"] for m in self.meta if m.get("total_steps")]
+        return max(totals) if totals else None

@@ -33,6 +33,8 @@ class RunOptions:
     check: bool = True
     check_only: bool = False
     autolog: bool = True
+    plot: bool = True
+    smoothing: float = 1.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +94,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 0.1, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def run_parser() -> argparse.ArgumentParser:
     """The parser behind ``%%distrain``; its help is part of the magic's docstring."""
     p = _Parser(prog="%%distrain", add_help=False, allow_abbrev=False)
@@ -148,6 +160,19 @@ def run_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, metavar="S", help="stop the whole job after S seconds"
     )
     p.add_argument(
+        "--no-plot",
+        dest="plot",
+        action="store_false",
+        help="no live panel or final figure; the one-line summary only",
+    )
+    p.add_argument(
+        "--smooth",
+        type=_fraction,
+        default=1.0,
+        metavar="A",
+        help="EMA smoothing of the loss curve, 0 < A <= 1 (1: none; 0.1: strong)",
+    )
+    p.add_argument(
         "--no-autolog",
         dest="autolog",
         action="store_false",
@@ -189,4 +214,6 @@ def parse_run_options(line: str) -> RunOptions:
         check=ns.check,
         check_only=ns.check_only,
         autolog=ns.autolog,
+        plot=ns.plot,
+        smoothing=ns.smooth,
     )

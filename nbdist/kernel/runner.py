@@ -37,6 +37,7 @@ from nbdist.errors import (
 )
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
+from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
@@ -102,9 +103,10 @@ def check_push(names: tuple[str, ...], user_ns: dict[str, Any]) -> dict[str, Any
 class _Watch:
     """Why the job is being stopped, and when each escalation step happened."""
 
-    reason: str | None = None  # "failure", "timeout", "interrupt", "died"
+    reason: str | None = None  # "failure", "timeout", "interrupt", "stop", "died"
     since: float = 0.0
     interrupted: bool = False
+    stop_requested: bool = False  # set by the panel's Stop button
     killed: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
 
@@ -123,9 +125,12 @@ class Runner:
         out: TextIO | None = None,
         err: TextIO | None = None,
         notify: Callable[[str], None] | None = None,
+        display: Callable[..., Any] | None = None,
     ) -> None:
         self.cluster = cluster
         self._out, self._err = out, err
+        self._display = display or _ipython_display
+        self._ui_poll: Callable[[], Any] | None = None
         self._notify = notify or (lambda msg: print(msg, file=self.out))
         self._run_id = 0
 
@@ -213,7 +218,23 @@ class Runner:
         return findings
 
     # -- the run ---------------------------------------------------------------------------------
-    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
+    def run(
+        self,
+        opts: RunOptions,
+        source: str,
+        user_ns: dict[str, Any],
+        *,
+        ui_poll: Callable[[], Any] | None = None,
+    ) -> DistrainResult | None:
+        """Run ``source`` as one job; ``ui_poll`` processes pending front-end events (the Stop
+        button's click) while the cell blocks."""
+        self._ui_poll = ui_poll
+        try:
+            return self._run(opts, source, user_ns)
+        finally:
+            self._ui_poll = None
+
+    def _run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
         tree = parse_cell(source)
         if opts.check_only:
             self.report_findings(source, opts.workers, quiet=False)
@@ -261,14 +282,14 @@ class Runner:
             )
             for e in self.cluster.engines[:world]
         ]
-        result, pulled = self._execute(specs, opts, framework)
+        result, pulled = self._execute(specs, opts, framework, may_log(tree, opts.autolog))
         user_ns.update(pulled)
         if opts.out is not None:
             user_ns[opts.out] = result
         return result
 
     def _execute(
-        self, specs: list[RankSpec], opts: RunOptions, framework: str
+        self, specs: list[RankSpec], opts: RunOptions, framework: str, expect_metrics: bool
     ) -> tuple[DistrainResult, dict[str, Any]]:
         start = time.monotonic()
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in specs]
@@ -278,7 +299,16 @@ class Runner:
         ]
         release = backends.load(framework).peer_release_s(specs[0].options)
         stream = MetricsStream(len(specs))
-        watch = self._watch(ars, outputs, stream, opts, start, release)
+        watch = _Watch()
+        live = LiveView(
+            len(specs),
+            plot=opts.plot,
+            smoothing=opts.smoothing,
+            display=self._display,
+            on_stop=lambda: setattr(watch, "stop_requested", True),
+            expect_metrics=expect_metrics,
+        )
+        self._watch(ars, outputs, stream, live, watch, opts, start, release)
         wall = time.monotonic() - start
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         watch.dead = sorted(set(watch.dead) | set(self.cluster.dead(range(len(specs)))))
@@ -300,6 +330,15 @@ class Runner:
 
         reports, failures, stopped = self._collect(ars, specs, watch)
         self._drain(ars, stream, [reports.get(s.rank, {}).get("messages", 0) for s in specs])
+        summary = live.finish(
+            stream.history,
+            _states(ars, watch),
+            wall=wall,
+            framework=framework,
+            detail=_batch_detail(stream.meta[0], len(specs)),
+        )
+        if summary is not None:
+            print(summary, file=self.out, flush=True)
         backend = backends.load(framework)
         if failures or watch.reason is not None:
             if not backend.KEEPS_RENDEZVOUS_AFTER_FAILURE:
@@ -326,14 +365,19 @@ class Runner:
                 f"interrupted; stopped ranks {', '.join(map(str, stopped or range(len(specs))))}. "
                 "The cluster is ready for the next %%distrain."
             )
+        if watch.reason == "stop":
+            self._notify(
+                f"nbdist: stopped by the Stop button (ranks {', '.join(map(str, stopped))}); "
+                "the result holds what was recorded until then."
+            )
 
         ranks = tuple(
             RankResult(
                 rank=s.rank,
-                host=reports[s.rank]["host"],
-                value=reports[s.rank].get("value"),
-                value_repr=reports[s.rank].get("value_repr"),
-                wall=reports[s.rank]["wall"],
+                host=reports.get(s.rank, {}).get("host", self.cluster.engines[s.rank].host),
+                value=reports.get(s.rank, {}).get("value"),
+                value_repr=reports.get(s.rank, {}).get("value_repr"),
+                wall=reports.get(s.rank, {}).get("wall", wall),
                 stdout=ars[s.rank].stdout or "",
                 stderr=ars[s.rank].stderr or "",
             )
@@ -353,24 +397,30 @@ class Runner:
         ars: list[Any],
         outputs: list[_RankOutput],
         stream: MetricsStream,
+        live: LiveView,
+        watch: _Watch,
         opts: RunOptions,
         start: float,
         release: float,
-    ) -> _Watch:
+    ) -> None:
         """Poll until every rank is done, escalating when something goes wrong."""
         peer_grace = release + PEER_GRACE_S
         kill_grace = release + KILL_GRACE_S
-        watch = _Watch()
         next_liveness = 0.0
         while True:
             try:
                 for rank, (ar, output) in enumerate(zip(ars, outputs, strict=True)):
                     output.pump(ar)
                     stream.pump(rank, ar.data)
+                if self._ui_poll is not None:
+                    self._ui_poll()
                 pending = [r for r, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
-                    return watch
+                    return
+                live.update(stream.history, _states(ars, watch), total_steps=stream.total_steps())
                 now = time.monotonic()
+                if watch.stop_requested:
+                    watch.start("stop", now - peer_grace)
                 if watch.reason is None:
                     if any(ars[r].ready() and _failed(ars[r]) for r in range(len(ars))):
                         watch.start("failure", now)
@@ -391,9 +441,9 @@ class Runner:
                         alive = [r for r in pending if r not in watch.dead]
                         self.cluster.kill(alive)
                         watch.killed.extend(alive)
-                        return watch
+                        return
                     if watch.dead and set(pending) <= set(watch.dead):
-                        return watch
+                        return
                 time.sleep(POLL_S)
             except KeyboardInterrupt:
                 if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
@@ -449,6 +499,47 @@ class Runner:
                     continue
                 failures.append(RankFailure(**f))
         return reports, failures, stopped
+
+
+def may_log(tree: Any, autolog: bool) -> bool:
+    """Whether the cell records metrics: it calls ``log``, or autolog sees ``backward``/``fit``."""
+    import ast
+
+    names = {"log"} | ({"backward", "fit"} if autolog else set())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in names:
+                return True
+    return False
+
+
+def _ipython_display(*objs: Any, **kwargs: Any) -> Any:
+    from IPython.display import display
+
+    return display(*objs, **kwargs)
+
+
+def _states(ars: list[Any], watch: _Watch) -> list[str]:
+    """Each rank's state for the panel."""
+    out = []
+    for ar in ars:
+        if not ar.ready():
+            out.append("stopping" if watch.reason else "running")
+        elif _failed(ar):
+            out.append("failed")
+        else:
+            out.append("done")
+    return out
+
+
+def _batch_detail(meta: dict[str, Any], world: int) -> str:
+    if not meta.get("global_batch"):
+        return ""
+    return (
+        f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica x {world}"
+    )
 
 
 def _failed(ar: Any) -> bool:

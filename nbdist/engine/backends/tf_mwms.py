@@ -220,6 +220,11 @@ def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
             self.per_worker = per_worker
             self.mean = 0.0
 
+        def on_train_begin(self, logs: Any = None) -> None:
+            steps, epochs = self.params.get("steps"), self.params.get("epochs")
+            if steps and epochs:
+                recorder.expect(steps * epochs)
+
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self.mean = 0.0
 
@@ -238,6 +243,13 @@ def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         batch = kwargs.get("batch_size")
+        if batch is None and args:
+            try:  # a batched tf.data.Dataset knows its batch size
+                batch = int(args[0]._batch_size)
+            except (AttributeError, TypeError, ValueError):
+                batch = None
+        if batch:
+            recorder.meta(global_batch=batch, per_replica_batch=batch // world_size)
         callbacks = list(kwargs.get("callbacks") or [])
         callbacks.append(_Autolog(batch // world_size if batch else None))
         kwargs["callbacks"] = callbacks
