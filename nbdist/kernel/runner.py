@@ -131,6 +131,7 @@ class Runner:
         self._out, self._err = out, err
         self._display = display or _ipython_display
         self._ui_poll: Callable[[], Any] | None = None
+        self.view: LiveView | None = None  # the running cell's live view
         self._notify = notify or (lambda msg: print(msg, file=self.out))
         self._run_id = 0
 
@@ -308,6 +309,7 @@ class Runner:
             on_stop=lambda: setattr(watch, "stop_requested", True),
             expect_metrics=expect_metrics,
         )
+        self.view = live
         self._watch(ars, outputs, stream, live, watch, opts, start, release)
         wall = time.monotonic() - start
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.

@@ -311,3 +311,34 @@ def test_autolog_captures_loss_and_batch_size(ready):
     assert (rank0[0], rank0[-1]) == pytest.approx(losses)
     ready.run_cell_magic("distrain", "-o res --no-autolog", train_cell(epochs=1))
     assert ready.user_ns["res"].history == ()
+
+
+def test_stop_button_stops_every_rank_and_keeps_the_result(ready, magics):
+    import threading
+
+    clicked = []
+
+    def click_stop_when_training():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            view = magics.runner.view
+            if view is not None and view.dashboard is not None and view.agg.seen > 20:
+                clicked.append(time.monotonic())
+                view.dashboard.stop_button.click()
+                return
+            time.sleep(0.05)
+
+    clicker = threading.Thread(target=click_stop_when_training)
+    clicker.start()
+    start = time.monotonic()
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=100000))
+    clicker.join()
+    assert time.monotonic() - start < 60
+    assert time.monotonic() - clicked[0] < 5  # every rank stopped within 5 s of the click
+    res = ready.user_ns["res"]
+    assert res.values == [None, None]
+    assert len(res.history) > 20
+    assert magics.runner.view.dashboard.stop_button.disabled
+    _engines_idle(magics, within=5)
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+    assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
