@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e ".[torch,tf-cpu,test]"
+	$(PY) -m pip install -q -e ".[torch,tf-cpu,test,browser]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -117,11 +117,16 @@ class Aggregate:
             return [], [], [[] for _ in range(self.world)]
         t0, t1 = min(times), max(times)
         width = max((t1 - t0) / 100, 0.25)
-        bins = max(1, math.ceil((t1 - t0) / width))
+        # Whole bins only: a last, partly filled bin would show a drop that is not there.
+        bins = max(1, math.floor((t1 - t0) / width))
         per_rank = [[0.0] * bins for _ in range(self.world)]
         for rank, pts in enumerate(self.samples):
             for t, n in pts[1:]:
-                per_rank[rank][min(bins - 1, int((t - t0) / width))] += n / width
+                index = int((t - t0) / width)
+                if index == bins and t - t0 <= bins * width + 1e-9:
+                    index = bins - 1  # the last bin's closed end
+                if index < bins:
+                    per_rank[rank][index] += n / width
         centres = [t0 - self.start + (i + 0.5) * width for i in range(bins)]
         total = [sum(col) for col in zip(*per_rank, strict=True)]
         return centres, total, per_rank
@@ -231,6 +236,34 @@ def table_html(agg: Aggregate, states: Sequence[str], now: float) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
+# The Stop button asks the Jupyter server to interrupt this kernel. A widget click would travel
+# as a comm message on the shell channel, which a kernel busy running the cell does not read
+# (ipykernel 7 only serves comms to async cells); the interrupt reaches the cell at once, as a
+# KeyboardInterrupt in nbdist's wait loop, which stops every rank.
+_STOP_JS = (
+    "this.disabled=true;this.textContent='Stopping...';"
+    "var c=document.getElementById('jupyter-config-data');"
+    "var cfg=c?JSON.parse(c.textContent):{};"
+    "var h={};var x=document.cookie.match(/_xsrf=([^;]+)/);"
+    "if(x){h['X-XSRFToken']=decodeURIComponent(x[1]);}"
+    "if(cfg.token){h['Authorization']='token '+cfg.token;}"
+    "fetch((cfg.baseUrl||'/')+'PATH',{method:'POST',credentials:'same-origin',headers:h});"
+)
+_BUTTON_STYLE = (
+    "background:#d32f2f;color:white;border:none;border-radius:3px;padding:4px 14px;"
+    "font-size:13px;cursor:pointer"
+)
+
+
+def stop_button_html(interrupt_path: str | None, *, stopped: bool = False) -> str:
+    """The Stop button: POSTs to ``interrupt_path`` (the server's kernel interrupt URL)."""
+    if stopped or interrupt_path is None:
+        label = "Stopped" if stopped else "Stop: use Kernel > Interrupt"
+        return f'<button disabled style="{_BUTTON_STYLE};opacity:0.5">{label}</button>'
+    onclick = _STOP_JS.replace("PATH", interrupt_path)
+    return f'<button class="nbdist-stop" style="{_BUTTON_STYLE}" onclick="{onclick}">Stop</button>'
+
+
 class Dashboard:
     """The live panel: a table row per rank, the figure, and a Stop button.
 
@@ -239,18 +272,18 @@ class Dashboard:
     """
 
     def __init__(
-        self, agg: Aggregate, *, on_stop: Callable[[], None], display: Callable[..., Any]
+        self, agg: Aggregate, *, interrupt_path: str | None, display: Callable[..., Any]
     ) -> None:
         import ipywidgets as widgets
 
         self.agg = agg
         self.figure = Figure(agg.world)
         self._next_figure = 0.0
+        self.interrupt_path = interrupt_path
         self.table = widgets.HTML()
         self.image = widgets.Image(format="png")
-        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
-        self.stop_button.on_click(lambda _button: on_stop())
-        self.box = widgets.VBox([self.table, self.image, self.stop_button])
+        self.stop = widgets.HTML(stop_button_html(interrupt_path))
+        self.box = widgets.VBox([self.table, self.image, self.stop])
         display(
             {
                 "application/vnd.jupyter.widget-view+json": {
@@ -272,8 +305,7 @@ class Dashboard:
             self._next_figure = now + max(REDRAW_S, took / FIGURE_CPU_BUDGET)
 
     def close(self) -> None:
-        self.stop_button.disabled = True
-        self.stop_button.description = "Stopped"
+        self.stop.value = stop_button_html(self.interrupt_path, stopped=True)
 
 
 class LiveView:
@@ -290,8 +322,9 @@ class LiveView:
         EMA factor for the loss curve (1 = none).
     display : callable
         IPython's ``display``.
-    on_stop : callable
-        What the Stop button does.
+    interrupt_path : str or None
+        The Jupyter server's interrupt URL for this kernel (``api/kernels/<id>/interrupt``),
+        which the Stop button calls; None outside Jupyter.
     expect_metrics : bool
         Show the panel at once (the cell will log), instead of at the first metric.
     """
@@ -303,19 +336,19 @@ class LiveView:
         plot: bool,
         smoothing: float,
         display: Callable[..., Any],
-        on_stop: Callable[[], None],
+        interrupt_path: str | None = None,
         expect_metrics: bool = False,
     ) -> None:
         self.agg = Aggregate(world)
         self.plot, self.smoothing = plot, smoothing
-        self._display, self._on_stop = display, on_stop
+        self._display, self._interrupt_path = display, interrupt_path
         self.throttle = Throttle()
         self.dashboard: Dashboard | None = None
         self.redraws = 0
         if plot and expect_metrics:
             # Shown before the cell's first output, so the panel's place in the outputs does not
             # depend on whether a print or a metric arrived first.
-            self.dashboard = Dashboard(self.agg, on_stop=on_stop, display=display)
+            self.dashboard = Dashboard(self.agg, interrupt_path=interrupt_path, display=display)
 
     def update(
         self,
@@ -332,7 +365,9 @@ class LiveView:
         if not history or not self.plot or not self.throttle.ready(force):
             return False
         if self.dashboard is None:
-            self.dashboard = Dashboard(self.agg, on_stop=self._on_stop, display=self._display)
+            self.dashboard = Dashboard(
+                self.agg, interrupt_path=self._interrupt_path, display=self._display
+            )
         self.dashboard.draw(states, self.smoothing, force=force)
         self.redraws += 1
         return True

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
-from contextlib import nullcontext
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -138,6 +138,21 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt_path(shell: Any) -> str | None:
+    """``api/kernels/<id>/interrupt`` for the Jupyter kernel this runs in, else None."""
+    if getattr(shell, "kernel", None) is None:
+        return None
+    try:
+        from ipykernel import get_connection_file
+
+        name = os.path.basename(get_connection_file())
+    except Exception:  # not started by a Jupyter server: no URL to call
+        return None
+    if not (name.startswith("kernel-") and name.endswith(".json")):
+        return None
+    return f"api/kernels/{name[len('kernel-') : -len('.json')]}/interrupt"
+
+
 @magics_class
 class DistrainMagics(Magics):
     """Holds this kernel's cluster and runner; one instance per ``%load_ext nbdist``."""
@@ -146,6 +161,7 @@ class DistrainMagics(Magics):
         super().__init__(shell)
         self.cluster = LocalCluster(notify=self._notify)
         self.runner = Runner(self.cluster, notify=self._notify)
+        self.runner.interrupt_path = _interrupt_path(shell)
 
     @staticmethod
     def _notify(message: str) -> None:
@@ -156,18 +172,8 @@ class DistrainMagics(Magics):
         if cell is None:
             return self._subcommand(line)
         opts = parse_run_options(line)
-        with self._ui_events() as poll:
-            ui_poll = (lambda: poll(20)) if poll is not None else None
-            self.runner.run(opts, cell, self.shell.user_ns, ui_poll=ui_poll)
+        self.runner.run(opts, cell, self.shell.user_ns)
         return None
-
-    def _ui_events(self) -> Any:
-        """In a Jupyter kernel, a way to handle widget events (Stop) while the cell runs."""
-        if getattr(self.shell, "kernel", None) is None:
-            return nullcontext(None)
-        from jupyter_ui_poll import ui_events
-
-        return ui_events()
 
     def _subcommand(self, line: str) -> None:
         try:

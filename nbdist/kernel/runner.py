@@ -103,10 +103,9 @@ def check_push(names: tuple[str, ...], user_ns: dict[str, Any]) -> dict[str, Any
 class _Watch:
     """Why the job is being stopped, and when each escalation step happened."""
 
-    reason: str | None = None  # "failure", "timeout", "interrupt", "stop", "died"
+    reason: str | None = None  # "failure", "timeout", "interrupt", "died"
     since: float = 0.0
     interrupted: bool = False
-    stop_requested: bool = False  # set by the panel's Stop button
     killed: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
 
@@ -130,7 +129,8 @@ class Runner:
         self.cluster = cluster
         self._out, self._err = out, err
         self._display = display or _ipython_display
-        self._ui_poll: Callable[[], Any] | None = None
+        # The Jupyter server's interrupt URL for this kernel: what the Stop button calls.
+        self.interrupt_path: str | None = None
         self.view: LiveView | None = None  # the running cell's live view
         self._notify = notify or (lambda msg: print(msg, file=self.out))
         self._run_id = 0
@@ -219,21 +219,9 @@ class Runner:
         return findings
 
     # -- the run ---------------------------------------------------------------------------------
-    def run(
-        self,
-        opts: RunOptions,
-        source: str,
-        user_ns: dict[str, Any],
-        *,
-        ui_poll: Callable[[], Any] | None = None,
-    ) -> DistrainResult | None:
-        """Run ``source`` as one job; ``ui_poll`` processes pending front-end events (the Stop
-        button's click) while the cell blocks."""
-        self._ui_poll = ui_poll
-        try:
-            return self._run(opts, source, user_ns)
-        finally:
-            self._ui_poll = None
+    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
+        """Run ``source`` as one job on the cluster; see the magic's docstring."""
+        return self._run(opts, source, user_ns)
 
     def _run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
         tree = parse_cell(source)
@@ -306,7 +294,7 @@ class Runner:
             plot=opts.plot,
             smoothing=opts.smoothing,
             display=self._display,
-            on_stop=lambda: setattr(watch, "stop_requested", True),
+            interrupt_path=self.interrupt_path,
             expect_metrics=expect_metrics,
         )
         self.view = live
@@ -364,13 +352,9 @@ class Runner:
             )
         if watch.reason == "interrupt":
             raise JobInterrupted(
-                f"interrupted; stopped ranks {', '.join(map(str, stopped or range(len(specs))))}. "
+                f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
+                f"{', '.join(map(str, stopped or range(len(specs))))}. "
                 "The cluster is ready for the next %%distrain."
-            )
-        if watch.reason == "stop":
-            self._notify(
-                f"nbdist: stopped by the Stop button (ranks {', '.join(map(str, stopped))}); "
-                "the result holds what was recorded until then."
             )
 
         ranks = tuple(
@@ -414,15 +398,11 @@ class Runner:
                 for rank, (ar, output) in enumerate(zip(ars, outputs, strict=True)):
                     output.pump(ar)
                     stream.pump(rank, ar.data)
-                if self._ui_poll is not None:
-                    self._ui_poll()
                 pending = [r for r, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
                     return
                 live.update(stream.history, _states(ars, watch), total_steps=stream.total_steps())
                 now = time.monotonic()
-                if watch.stop_requested:
-                    watch.start("stop", now - peer_grace)
                 if watch.reason is None:
                     if any(ars[r].ready() and _failed(ars[r]) for r in range(len(ars))):
                         watch.start("failure", now)
@@ -530,7 +510,8 @@ def _states(ars: list[Any], watch: _Watch) -> list[str]:
         if not ar.ready():
             out.append("stopping" if watch.reason else "running")
         elif _failed(ar):
-            out.append("failed")
+            stopped = watch.interrupted and _failure_type(ar) == "KeyboardInterrupt"
+            out.append("stopped" if stopped else "failed")
         else:
             out.append("done")
     return out
@@ -542,6 +523,13 @@ def _batch_detail(meta: dict[str, Any], world: int) -> str:
     return (
         f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica x {world}"
     )
+
+
+def _failure_type(ar: Any) -> str | None:
+    try:
+        return ar.get(0)["failure"]["exc_type"]
+    except Exception:
+        return None
 
 
 def _failed(ar: Any) -> bool:

@@ -313,32 +313,34 @@ def test_autolog_captures_loss_and_batch_size(ready):
     assert ready.user_ns["res"].history == ()
 
 
-def test_stop_button_stops_every_rank_and_keeps_the_result(ready, magics):
+def test_interrupt_during_training_shows_figure_and_summary(ready, magics, capsys):
+    """The Stop button interrupts the kernel; in the kernel that is this KeyboardInterrupt."""
+    import os
+    import signal
     import threading
 
-    clicked = []
+    from nbdist import JobInterrupted
 
-    def click_stop_when_training():
+    interrupted = []
+
+    def interrupt_when_training():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             view = magics.runner.view
-            if view is not None and view.dashboard is not None and view.agg.seen > 20:
-                clicked.append(time.monotonic())
-                view.dashboard.stop_button.click()
+            if view is not None and view.agg.seen > 20:
+                interrupted.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
 
-    clicker = threading.Thread(target=click_stop_when_training)
-    clicker.start()
-    start = time.monotonic()
-    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=100000))
-    clicker.join()
-    assert time.monotonic() - start < 60
-    assert time.monotonic() - clicked[0] < 5  # every rank stopped within 5 s of the click
-    res = ready.user_ns["res"]
-    assert res.values == [None, None]
-    assert len(res.history) > 20
-    assert magics.runner.view.dashboard.stop_button.disabled
+    thread = threading.Thread(target=interrupt_when_training)
+    thread.start()
+    with pytest.raises(JobInterrupted, match="stopped ranks 0, 1"):
+        ready.run_cell_magic("distrain", "", train_cell(epochs=100000))
+    thread.join()
+    assert time.monotonic() - interrupted[0] < 5  # every rank stopped within 5 s
+    out = capsys.readouterr().out
+    assert "nbdist: final loss" in out and "<nbdist figure: loss and throughput>" in out
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
     assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]

@@ -71,7 +71,7 @@ class SpyDisplay:
 
 def test_no_metrics_no_panel_no_summary():
     spy = SpyDisplay()
-    live = LiveView(2, plot=True, smoothing=1.0, display=spy, on_stop=lambda: None)
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy)
     live.update([], ["running", "running"])
     assert live.finish([], ["done", "done"], wall=1.0, framework="torch") is None
     assert spy.shown == []
@@ -79,8 +79,8 @@ def test_no_metrics_no_panel_no_summary():
 
 def test_panel_once_then_in_place_then_static_figure(monkeypatch):
     spy = SpyDisplay()
-    stopped = []
-    live = LiveView(2, plot=True, smoothing=1.0, display=spy, on_stop=lambda: stopped.append(1))
+    path = "api/kernels/0f1e/interrupt"
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, interrupt_path=path)
     live.throttle = Throttle(interval=0.5, clock=lambda: 42.0)  # all updates within one instant
     history = []
     for p in _points(steps=50):
@@ -89,18 +89,20 @@ def test_panel_once_then_in_place_then_static_figure(monkeypatch):
     assert live.redraws == 1  # one redraw: the throttle holds the rest back
     assert [o["text/plain"] for o in spy.shown] == [PANEL_TEXT]
     assert "<td>running</td>" in live.dashboard.table.value
-    live.dashboard.stop_button.click()
-    assert stopped == [1]
+    stop = live.dashboard.stop.value
+    assert stop.startswith('<button class="nbdist-stop"') and ">Stop</button>" in stop
+    assert "+'api/kernels/0f1e/interrupt',{method:'POST'" in stop
     summary = live.finish(history, ["done", "done"], wall=3.0, framework="torch")
     assert summary.startswith("nbdist: final loss")
     assert spy.shown[-1]["image/png"].startswith(b"\x89PNG")
     assert live.dashboard.image.value == spy.shown[-1]["image/png"]
-    assert live.dashboard.stop_button.disabled
+    assert live.dashboard.stop.value.startswith("<button disabled")
+    assert ">Stopped</button>" in live.dashboard.stop.value
 
 
 def test_no_plot_gives_the_summary_only():
     spy = SpyDisplay()
-    live = LiveView(2, plot=False, smoothing=1.0, display=spy, on_stop=lambda: None)
+    live = LiveView(2, plot=False, smoothing=1.0, display=spy)
     history = _points()
     live.update(history, ["running"] * 2)
     assert live.finish(history, ["done"] * 2, wall=2.0, framework="torch").startswith("nbdist:")
@@ -113,3 +115,7 @@ def test_eta_from_total_steps():
     agg.total_steps = 100
     html = d.table_html(agg, ["running"], now=10.0)
     assert "<td>90 s</td>" in html  # 10 steps took 10 s: 90 more steps to go
+
+
+def test_outside_jupyter_the_stop_button_points_to_the_interrupt():
+    assert ">Stop: use Kernel > Interrupt</button>" in d.stop_button_html(None)
