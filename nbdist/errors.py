@@ -4,6 +4,7 @@
     ├── WorkerError               one or more ranks raised inside the cell
     ├── WorkerDied                an engine process died during the job (engines are replaced)
     ├── JobTimeout                ``--timeout`` elapsed; every rank was stopped
+    │   └── JobStalled            a rank made no progress for ``--stall`` seconds (default 60)
     ├── JobInterrupted            the notebook's interrupt stopped the job
     └── ClusterError              the ipyparallel cluster could not be started or reached
 
@@ -25,6 +26,7 @@ __all__ = [
     "ClusterError",
     "DistrainError",
     "JobInterrupted",
+    "JobStalled",
     "JobTimeout",
     "NbdistWarning",
     "RankFailure",
@@ -74,6 +76,11 @@ class ClusterError(DistrainError):
 
 class JobTimeout(DistrainError):
     """The job ran past ``--timeout``; every rank was stopped."""
+
+
+class JobStalled(JobTimeout):
+    """A rank made no progress (no logged step, no backward, no Keras batch) for ``--stall``
+    seconds while the job ran; every rank was stopped."""
 
 
 class JobInterrupted(DistrainError):

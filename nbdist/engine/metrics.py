@@ -10,6 +10,7 @@ points are waiting (bounded memory here), and once more when the run ends.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,29 @@ class Recorder:
         self._meta: dict[str, Any] = {}
         self._buffer: list[Point] = []
         self._last_flush = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Flush every ``FLUSH_S`` from a thread too, so the last points before a rank blocks
+        (in a collective, a sleep) reach the notebook instead of waiting for the next log."""
+        self._flusher = threading.Thread(
+            target=self._flush_loop, name="nbdist-metrics", daemon=True
+        )
+        self._flusher.start()
+
+    def close(self) -> None:
+        """Stop the flusher thread and send what is left."""
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        self.flush()
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            if time.monotonic() - self._last_flush >= FLUSH_S:
+                self.flush()
 
     def log(self, step: int | None = None, **metrics: Any) -> None:
         """Record ``metrics`` (e.g. ``loss=..., samples=...``) for this rank at ``step``."""
@@ -91,20 +115,23 @@ class Recorder:
         if self._pending:
             metrics = {**self._pending, **metrics}
             self._pending = {}
-        self._buffer.append((step, time.time(), metrics))
-        if len(self._buffer) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S:
+        with self._lock:
+            self._buffer.append((step, time.time(), metrics))
+            due = len(self._buffer) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S
+        if due:
             self.flush()
 
     def flush(self) -> None:
         """Publish the waiting points as one message."""
-        self._last_flush = time.monotonic()
-        if not self._buffer:
-            return
-        # Tensors are converted here, ~10 times a second, not at every step (a GPU sync each).
-        points = [(s, t, {k: _scalar(v) for k, v in m.items()}) for s, t, m in self._buffer]
-        self._buffer = []
-        self._publish({f"{KEY_PREFIX}{self.messages:08d}": points})
-        self.messages += 1
+        with self._lock:
+            self._last_flush = time.monotonic()
+            if not self._buffer:
+                return
+            batch, self._buffer = self._buffer, []
+            # Tensors become floats here, ~10 times a second, not at every step (a GPU sync each).
+            points = [(s, t, {k: _scalar(v) for k, v in m.items()}) for s, t, m in batch]
+            self._publish({f"{KEY_PREFIX}{self.messages:08d}": points})
+            self.messages += 1
 
 
 def log(step: int | None = None, **metrics: Any) -> None:

@@ -140,6 +140,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
     failure = None
     recorder = Recorder(_publisher(), autolog=spec.autolog)
+    recorder.start()
     state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
@@ -165,11 +166,14 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     finally:
         with _sigint_ignored():
             state.recorder = None
-            recorder.flush()
+            recorder.close()
             namespace.clear()
             if failure is not None:
                 gc.collect()
-                backend.recover(state)
+                try:
+                    backend.recover(state)
+                except Exception as exc:  # reported: the notebook then replaces the engines
+                    report["recover_error"] = f"{type(exc).__name__}: {exc}"
             sys.stdout.flush()
             sys.stderr.flush()
     report["failure"] = failure

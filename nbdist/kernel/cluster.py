@@ -35,6 +35,38 @@ def default_workers() -> int:
     return len(visible_gpus()) or DEFAULT_CPU_WORKERS
 
 
+def clean_stale(directory: str | None = None) -> int:
+    """Kill the cluster processes of kernels that died without stopping them; returns how many.
+
+    The reaper normally does this; this catches what it could not (say the reaper was killed
+    too). Each running cluster has a PID file ``nbdist-<kernel pid>-*.pids`` in the temp
+    directory; one whose kernel is gone belongs to nobody.
+    """
+    import glob
+
+    import psutil
+
+    from nbdist.kernel.reaper import _kill_tree, _read_pids
+
+    killed = 0
+    for path in glob.glob(os.path.join(directory or tempfile.gettempdir(), "nbdist-*-*.pids")):
+        try:
+            kernel_pid = int(os.path.basename(path).split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if psutil.pid_exists(kernel_pid):
+            continue
+        for pid in _read_pids(path):
+            if psutil.pid_exists(pid):
+                _kill_tree(pid)
+                killed += 1
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return killed
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """One engine, in rank order: where it runs and what it may use."""
@@ -95,6 +127,12 @@ class LocalCluster:
             return
         n = n or default_workers()
         self._check_gpus(n)
+        cleaned = clean_stale()
+        if cleaned:
+            self._notify(
+                f"nbdist: stopped {cleaned} leftover cluster process"
+                f"{'es' if cleaned > 1 else ''} of a kernel that had crashed"
+            )
         config = Config()
         # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
         config.LocalProcessLauncher.stop_seconds_until_kill = 1
@@ -171,7 +209,7 @@ class LocalCluster:
                 pass
 
     def _start_reaper(self) -> None:
-        fd, self._pidfile = tempfile.mkstemp(prefix="nbdist-", suffix=".pids")
+        fd, self._pidfile = tempfile.mkstemp(prefix=f"nbdist-{os.getpid()}-", suffix=".pids")
         os.close(fd)
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "nbdist.kernel.reaper", str(os.getpid()), self._pidfile],

@@ -24,10 +24,12 @@ class MetricsStream:
     gaps: list[tuple[int, int]] = field(default_factory=list)  # (rank, missing seq)
     received: list[int] = field(init=False)
     meta: list[dict[str, Any]] = field(init=False)
+    last_step: list[int | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.received = [0] * self.world
         self.meta = [{} for _ in range(self.world)]
+        self.last_step = [None] * self.world
 
     def pump(self, rank: int, data: MutableMapping[str, Any]) -> int:
         """Take rank ``rank``'s new messages out of ``data``; returns the points added."""
@@ -42,6 +44,7 @@ class MetricsStream:
                 self.received[rank] += 1
             for step, t, metrics in data.pop(key):
                 self.history.append({"rank": rank, "step": step, "time": t, **metrics})
+                self.last_step[rank] = step
                 added += 1
             self.received[rank] = seq + 1
         return added

@@ -30,6 +30,7 @@ class RunOptions:
     out: str | None = None
     ranks: tuple[int, ...] | None = None
     timeout: float | None = None
+    stall: float = 60.0
     check: bool = True
     check_only: bool = False
     autolog: bool = True
@@ -179,6 +180,14 @@ def run_parser() -> argparse.ArgumentParser:
         help="record only what the cell passes to log(...); no automatic loss/batch capture",
     )
     p.add_argument(
+        "--stall",
+        type=_seconds,
+        default=60.0,
+        metavar="S",
+        help="stop the job when a rank makes no progress (logged step, backward, Keras batch) "
+        "for S seconds after the first progress of any rank (default 60)",
+    )
+    p.add_argument(
         "--no-check",
         dest="check",
         action="store_false",
@@ -211,6 +220,7 @@ def parse_run_options(line: str) -> RunOptions:
         out=ns.out,
         ranks=ns.ranks,
         timeout=ns.timeout,
+        stall=ns.stall,
         check=ns.check,
         check_only=ns.check_only,
         autolog=ns.autolog,

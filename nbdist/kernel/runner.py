@@ -30,6 +30,7 @@ from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.spec import RankSpec
 from nbdist.errors import (
     JobInterrupted,
+    JobStalled,
     JobTimeout,
     RankFailure,
     WorkerDied,
@@ -103,9 +104,24 @@ def check_push(names: tuple[str, ...], user_ns: dict[str, Any]) -> dict[str, Any
 class _Watch:
     """Why the job is being stopped, and when each escalation step happened."""
 
-    reason: str | None = None  # "failure", "timeout", "interrupt", "died"
+    reason: str | None = None  # "failure", "timeout", "stalled", "interrupt", "died"
     since: float = 0.0
     interrupted: bool = False
+    stalled: dict[str, Any] = field(default_factory=dict)  # who stalled, when, at which step
+    progress: dict[int, float] = field(default_factory=dict)  # rank -> last progress (monotonic)
+    first_progress: float | None = None
+
+    def note_progress(self, rank: int, now: float) -> None:
+        self.progress[rank] = now
+        if self.first_progress is None:
+            self.first_progress = now
+
+    def stuck(self, pending: list[int], now: float, limit: float) -> list[int]:
+        """Pending ranks with no progress for ``limit`` s (counted from the first progress)."""
+        if self.first_progress is None:
+            return []
+        return [r for r in pending if now - self.progress.get(r, self.first_progress) > limit]
+
     killed: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
 
@@ -319,6 +335,16 @@ class Runner:
             hosts_pids = {}
 
         reports, failures, stopped = self._collect(ars, specs, watch)
+        unhealthy = {
+            r: rep["recover_error"] for r, rep in reports.items() if rep.get("recover_error")
+        }
+        if unhealthy and not (watch.killed or watch.dead):
+            rank, why = next(iter(unhealthy.items()))
+            self._notify(
+                f"nbdist: replacing the engines (rank {rank} could not clean up after the "
+                f"failure: {why})"
+            )
+            self.cluster.replace_engines()
         self._drain(ars, stream, [reports.get(s.rank, {}).get("messages", 0) for s in specs])
         summary = live.finish(
             stream.history,
@@ -350,6 +376,8 @@ class Runner:
                 f"ranks {', '.join(map(str, stopped or range(len(specs))))}. "
                 "Raise --timeout or make the cell shorter."
             )
+        if watch.reason == "stalled":
+            raise JobStalled(_stall_message(watch.stalled, opts.stall, stopped, len(specs)))
         if watch.reason == "interrupt":
             raise JobInterrupted(
                 f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
@@ -395,9 +423,11 @@ class Runner:
         next_liveness = 0.0
         while True:
             try:
+                now = time.monotonic()
                 for rank, (ar, output) in enumerate(zip(ars, outputs, strict=True)):
                     output.pump(ar)
-                    stream.pump(rank, ar.data)
+                    if stream.pump(rank, ar.data):
+                        watch.note_progress(rank, now)
                 pending = [r for r, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
                     return
@@ -408,6 +438,15 @@ class Runner:
                         watch.start("failure", now)
                     elif opts.timeout is not None and now - start > opts.timeout:
                         watch.start("timeout", now - peer_grace)
+                    elif stuck := watch.stuck(pending, now, opts.stall):
+                        watch.stalled = {
+                            "ranks": stuck,
+                            "steps": list(stream.last_step),
+                            "idle": {
+                                r: now - watch.progress.get(r, watch.first_progress) for r in stuck
+                            },
+                        }
+                        watch.start("stalled", now - peer_grace)
                 if now >= next_liveness:
                     next_liveness = now + LIVENESS_EVERY_S
                     dead = [r for r in self.cluster.dead(pending) if r not in watch.dead]
@@ -515,6 +554,27 @@ def _states(ars: list[Any], watch: _Watch) -> list[str]:
         else:
             out.append("done")
     return out
+
+
+def _stall_message(stalled: dict[str, Any], limit: float, stopped: list[int], world: int) -> str:
+    """Names the stalled ranks that are furthest behind as stuck; the others as waiting."""
+    steps = stalled["steps"]
+
+    def at(rank: int) -> str:
+        return "before its first step" if steps[rank] is None else f"at step {steps[rank]}"
+
+    behind = min(-1 if steps[r] is None else steps[r] for r in stalled["ranks"])
+    stuck = [r for r in stalled["ranks"] if (-1 if steps[r] is None else steps[r]) == behind]
+    parts = [
+        f"rank {r} is stuck {at(r)} (no progress for {stalled['idle'][r]:.0f} s)" for r in stuck
+    ]
+    parts += [f"rank {r} waits {at(r)}" for r in range(world) if r not in stuck]
+    return (
+        f"no progress for {limit:g} s: {'; '.join(parts)}. "
+        f"Stopped ranks {', '.join(map(str, stopped or range(world)))}. Look for what the stuck "
+        "rank waits for (a collective the other ranks skipped, a sleep, a deadlock), or allow "
+        "longer pauses with --stall S."
+    )
 
 
 def _batch_detail(meta: dict[str, Any], world: int) -> str:

@@ -280,7 +280,10 @@ def test_notebook_interrupt_stops_every_rank(ready, magics):
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     start = time.monotonic()
-    with pytest.raises(JobInterrupted, match="interrupted; stopped ranks 0, 1"):
+    with pytest.raises(
+        JobInterrupted,
+        match=r"interrupted \(Stop button or Kernel > Interrupt\); stopped ranks 0, 1",
+    ):
         ready.run_cell_magic("distrain", "--framework torch", "import time\ntime.sleep(3600)\n")
     assert time.monotonic() - start < 1.0 + 5
     _engines_idle(magics, within=5)
@@ -344,3 +347,29 @@ def test_interrupt_during_training_shows_figure_and_summary(ready, magics, capsy
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
     assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
+
+
+def test_stalled_rank_is_named_with_its_step(ready, magics):
+    from nbdist import JobStalled
+
+    hook = "if rank == 1 and epoch * len(loader) + step == 10: __import__('time').sleep(3600)"
+    start = time.monotonic()
+    with pytest.raises(JobStalled) as info:
+        ready.run_cell_magic("distrain", "--stall 3", train_cell(epochs=100, hook=hook))
+    assert time.monotonic() - start < 3 + 15
+    message = str(info.value)
+    assert message.startswith("no progress for 3 s: rank 1 is stuck at step 9 (no progress for")
+    assert "rank 0 waits at step 10" in message
+    assert "Stopped ranks 0, 1" in message
+    _engines_idle(magics, within=5)
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+    assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
+
+
+def test_rank_0_alone_fails(ready):
+    with pytest.raises(WorkerError) as info:
+        ready.run_cell_magic(
+            "distrain", "", train_cell(epochs=3, hook="if rank == 0 and step == 3: 1 / 0")
+        )
+    assert info.value.ranks == [0]
+    assert "rank 0 (host" in str(info.value) and "ZeroDivisionError" in str(info.value)

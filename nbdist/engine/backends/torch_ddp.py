@@ -74,14 +74,23 @@ def prepare(
     _teardown(slot)
     if rank != 0:
         return {}
+    addr = options.get("master_addr", "127.0.0.1")
+    # The store listens on the address the other ranks use (loopback for a local cluster), on a
+    # port the OS picks; TCPStore on its own would listen on every interface.
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((addr, 0))
+    listener.listen(128)
     store = dist.TCPStore(
-        options.get("master_addr", "127.0.0.1"),
-        0,
+        addr,
+        listener.getsockname()[1],
         world_size,
         True,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
     )
+    listener.detach()  # the store owns the descriptor now and closes it when it goes
     slot["store"] = store
     return {"port": store.port}
 
