@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nbdist-installed
 
-.PHONY: demo notebooks test lint clean
+.PHONY: demo notebooks test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ notebooks: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check nbdist tests
 	$(PY) -m pytest
+
+# Benchmarks: results under build/bench/ (the log-cost one for now; see benchmarks/).
+bench: $(STAMP)
+	$(PY) benchmarks/log_cost.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbdist tests

@@ -24,8 +24,8 @@ def bench(n, f):
     for i in range(n):
         f(i)
     return (time.perf_counter() - t) / n
-empty = bench(N, lambda i: None)
-logged = bench(N, lambda i: log(loss=0.5, samples=32))
+empty = bench(__CALLS__, lambda i: None)
+logged = bench(__CALLS__, lambda i: log(loss=0.5, samples=32))
 (empty, logged)
 """
 
@@ -36,7 +36,7 @@ torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(512, 512), nn.ReLU(),
                                                           nn.Linear(512, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-x = torch.randn(BATCH, 512)
+x = torch.randn(__BATCH__, 512)
 def step():
     opt.zero_grad()
     loss = model(x).pow(2).mean()
@@ -45,9 +45,9 @@ def step():
 for _ in range(20):
     step()
 t = time.perf_counter()
-for _ in range(STEPS):
+for _ in range(__STEPS__):
     step()
-(time.perf_counter() - t) / STEPS
+(time.perf_counter() - t) / __STEPS__
 """
 
 
@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
     per_call = []
     for _ in range(args.repeats):
-        ip.run_cell_magic("distrain", flags, LOG_CELL.replace("N", str(args.calls)))
+        ip.run_cell_magic("distrain", flags, LOG_CELL.replace("__CALLS__", str(args.calls)))
         (empty, logged), _ = ip.user_ns["r"].values
         per_call.append(logged - empty)
 
-    step_cell = STEP_CELL.replace("BATCH", str(args.batch)).replace("STEPS", str(args.steps))
+    step_cell = STEP_CELL.replace("__BATCH__", str(args.batch)).replace("__STEPS__", str(args.steps))
     with_autolog, without = [], []
     for _ in range(args.repeats):  # interleaved, so drift hits both alike
         ip.run_cell_magic("distrain", flags, step_cell)
