@@ -136,12 +136,14 @@ class LocalCluster:
         config = Config()
         # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
         config.LocalProcessLauncher.stop_seconds_until_kill = 1
-        self._notify(f"nbdist: starting {n} workers (local ipyparallel cluster on {LOOPBACK})")
+        workers = f"{n} worker{'s' if n > 1 else ''}"
+        self._notify(f"nbdist: starting {workers} (local ipyparallel cluster on {LOOPBACK})")
         start = time.perf_counter()
         cluster = ipp.Cluster(
             n=n,
             controller_ip=LOOPBACK,
-            log_level=logging.WARNING,
+            # WARNING would print every replaced engine's whole log into the cell.
+            log_level=logging.ERROR,
             config=config,
             load_profile=False,
         )

@@ -438,7 +438,11 @@ class Runner:
                         watch.start("failure", now)
                     elif opts.timeout is not None and now - start > opts.timeout:
                         watch.start("timeout", now - peer_grace)
-                    elif stuck := watch.stuck(pending, now, opts.stall):
+                    elif watch.stuck(pending, now, opts.stall):
+                        # Every rank idle for a good part of the limit is part of the stall: the
+                        # one furthest behind is the culprit, the others wait for it. (Their last
+                        # points arrive in any order within a flush interval.)
+                        stuck = watch.stuck(pending, now, opts.stall / 2)
                         watch.stalled = {
                             "ranks": stuck,
                             "steps": list(stream.last_step),
