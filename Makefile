@@ -26,7 +26,7 @@ notebooks: $(STAMP)
 	$(PY) scripts/run_notebook.py --inplace notebooks/*.ipynb
 
 test: $(STAMP)
-	$(PY) -m ruff check nbdist tests
+	$(PY) -m ruff check nbdist tests scripts benchmarks
 	$(PY) -m pytest
 
 # Benchmarks: results under build/bench/ (the log-cost one for now; see benchmarks/).
@@ -34,7 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/log_cost.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check nbdist tests
+	$(PY) -m ruff check nbdist tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         (empty, logged), _ = ip.user_ns["r"].values
         per_call.append(logged - empty)
 
-    step_cell = STEP_CELL.replace("__BATCH__", str(args.batch)).replace("__STEPS__", str(args.steps))
+    step_cell = STEP_CELL.replace("__BATCH__", str(args.batch)).replace(
+        "__STEPS__", str(args.steps)
+    )
     with_autolog, without = [], []
     for _ in range(args.repeats):  # interleaved, so drift hits both alike
         ip.run_cell_magic("distrain", flags, step_cell)

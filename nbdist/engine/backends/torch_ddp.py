@@ -190,19 +190,23 @@ def _autolog(recorder: Any) -> Iterator[None]:
             recorder.auto(loss=self.detach())
         return real_backward(self, *args, **kwargs)
 
-    def count_batch(module: Any, args: tuple) -> None:
-        if isinstance(module, DistributedDataParallel) and args:
-            shape = getattr(args[0], "shape", None)
-            if shape:
-                recorder.pend(samples=int(shape[0]))
+    real_forward = DistributedDataParallel.forward
 
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_batch)
+    # Wrapping DDP's forward, not a global module hook: a global hook would put every module
+    # call of the model on torch's slower hook path.
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shape = getattr(args[0], "shape", None) if args else None
+        if shape:
+            recorder.pend(samples=int(shape[0]))
+        return real_forward(self, *args, **kwargs)
+
+    DistributedDataParallel.forward = forward
     torch.Tensor.backward = backward
     try:
         yield
     finally:
         torch.Tensor.backward = real_backward
-        hook.remove()
+        DistributedDataParallel.forward = real_forward
 
 
 @contextmanager
