@@ -20,7 +20,7 @@ frames of nbdist say nothing useful to the person who wrote the cell; the remote
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "ClusterError",
@@ -116,7 +116,7 @@ def classify(failures: list[RankFailure]) -> list[RankFailure]:
             _PEER_LOST.search(f"{f.exc_type}: {f.message}")
         )
         collateral = f is not first and lost_peer
-        out.append(RankFailure(**{**f.__dict__, "collateral": collateral}))
+        out.append(replace(f, collateral=collateral))
     return out
 
 

@@ -34,7 +34,7 @@ class Finding:
         return f"nbdist check [{self.rule}] cell line {self.line}: {self.message}"
 
 
-def _call_name(node: ast.AST) -> str:
+def call_name(node: ast.AST) -> str:
     """``a.b.C(...)`` → ``"C"``; ``C(...)`` → ``"C"``; anything else → ``""``."""
     if isinstance(node, ast.Call):
         node = node.func
@@ -45,9 +45,9 @@ def _call_name(node: ast.AST) -> str:
     return ""
 
 
-def _calls(tree: ast.AST, *names: str) -> Iterator[ast.Call]:
+def calls(tree: ast.AST, *names: str) -> Iterator[ast.Call]:
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _call_name(node) in names:
+        if isinstance(node, ast.Call) and call_name(node) in names:
             yield node
 
 
@@ -66,7 +66,7 @@ _DDP = ("DistributedDataParallel", "DDP")
 
 
 def dataparallel_with_ddp(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    if not any(_calls(tree, *_DDP)):
+    if not any(calls(tree, *_DDP)):
         return []
     return [
         Finding(
@@ -77,15 +77,15 @@ def dataparallel_with_ddp(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
             "and breaks gradient averaging. Drop nn.DataParallel and wrap the model in DDP only "
             f"(see {TUTORIAL}, 'DataParallel inside DDP').",
         )
-        for call in _calls(tree, "DataParallel")
+        for call in calls(tree, "DataParallel")
     ]
 
 
 def loader_without_sampler(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    if not any(_calls(tree, *_DDP)):
+    if not any(calls(tree, *_DDP)):
         return []
     out = []
-    for call in _calls(tree, "DataLoader"):
+    for call in calls(tree, "DataLoader"):
         sampler = _kwarg(call, "sampler")
         if sampler is None and _kwarg(call, "batch_sampler") is None and len(call.args) < 4:
             out.append(
@@ -114,7 +114,7 @@ def loader_without_sampler(tree: ast.Module, ctx: CheckContext) -> list[Finding]
 
 
 def missing_set_epoch(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    if not any(_calls(tree, "DistributedSampler")) or any(_calls(tree, "set_epoch")):
+    if not any(calls(tree, "DistributedSampler")) or any(calls(tree, "set_epoch")):
         return []
     out = []
     for node in ast.walk(tree):
@@ -140,9 +140,9 @@ def _backend_arg(call: ast.Call) -> ast.expr | None:
 
 
 def init_process_group_rules(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    calls = sorted(_calls(tree, "init_process_group"), key=lambda c: c.lineno)
+    inits = sorted(calls(tree, "init_process_group"), key=lambda c: c.lineno)
     out = []
-    for call in calls:
+    for call in inits:
         backend = _backend_arg(call)
         if ctx.gpus == 0 and _is_const(backend, "nccl"):
             out.append(
@@ -154,7 +154,7 @@ def init_process_group_rules(tree: ast.Module, ctx: CheckContext) -> list[Findin
                     f"(see {TUTORIAL}, 'Process groups').",
                 )
             )
-    for call in calls[1:]:
+    for call in inits[1:]:
         out.append(
             Finding(
                 rule="second-init",
@@ -175,7 +175,7 @@ def bare_cuda(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        name = _call_name(node)
+        name = call_name(node)
         bare = (name == "cuda" and not node.args and not node.keywords) or (
             name in ("to", "device") and node.args and _is_const(node.args[0], "cuda")
         )
@@ -223,7 +223,7 @@ def unguarded_side_effects(tree: ast.Module, ctx: CheckContext) -> list[Finding]
     for node, in_loop in _walk_unguarded(tree):
         if not isinstance(node, ast.Call):
             continue
-        name = _call_name(node)
+        name = call_name(node)
         if name in ("save", "save_weights", "save_model"):
             out.append(
                 Finding(
@@ -259,25 +259,25 @@ def _scope_blocks(tree: ast.Module) -> list[ast.With]:
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.With)
-        and any(_call_name(item.context_expr) == "scope" for item in node.items)
+        and any(call_name(item.context_expr) == "scope" for item in node.items)
     ]
 
 
 def keras_outside_scope(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     blocks = _scope_blocks(tree)
     inside = {id(n) for b in blocks for n in ast.walk(b)}
-    if not any(id(c) in inside for c in _calls(tree, "compile")):
+    if not any(id(c) in inside for c in calls(tree, "compile")):
         return []
     out = []
-    for call in _calls(tree, *_KERAS_BUILDERS, *_OPTIMIZERS):
+    for call in calls(tree, *_KERAS_BUILDERS, *_OPTIMIZERS):
         is_keras_optimizer = "optimizers" in ast.unparse(call.func)
-        if id(call) in inside or (_call_name(call) in _OPTIMIZERS and not is_keras_optimizer):
+        if id(call) in inside or (call_name(call) in _OPTIMIZERS and not is_keras_optimizer):
             continue
         out.append(
             Finding(
                 rule="keras-outside-scope",
                 line=call.lineno,
-                message=f"{_call_name(call)}(...) created outside strategy.scope() but compiled "
+                message=f"{call_name(call)}(...) created outside strategy.scope() but compiled "
                 "inside it: its variables are not mirrored, and Keras 3 fails in fit with a bare "
                 "AssertionError. Create the model and optimizer inside 'with strategy.scope():' "
                 f"(see {TUTORIAL}, 'strategy.scope()').",
@@ -289,14 +289,14 @@ def keras_outside_scope(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
 def tfconfig_connect(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     resolvers = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and _call_name(node.value) == "TFConfigClusterResolver":
+        if isinstance(node, ast.Assign) and call_name(node.value) == "TFConfigClusterResolver":
             resolvers.update(t.id for t in node.targets if isinstance(t, ast.Name))
     out = []
-    for call in _calls(tree, "connect"):
+    for call in calls(tree, "connect"):
         target = call.func.value if isinstance(call.func, ast.Attribute) else None
         if target is None:
             continue
-        if _call_name(target) == "TFConfigClusterResolver" or (
+        if call_name(target) == "TFConfigClusterResolver" or (
             isinstance(target, ast.Name) and target.id in resolvers
         ):
             out.append(
@@ -313,7 +313,7 @@ def tfconfig_connect(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
 
 
 def strategy_after_ops(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    created = sorted(_calls(tree, "MultiWorkerMirroredStrategy"), key=lambda c: c.lineno)
+    created = sorted(calls(tree, "MultiWorkerMirroredStrategy"), key=lambda c: c.lineno)
     if not created:
         return []
     first = created[0].lineno
@@ -338,10 +338,10 @@ def strategy_after_ops(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
 
 
 def per_worker_batch(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    if not any(_calls(tree, "MultiWorkerMirroredStrategy", "scope")):
+    if not any(calls(tree, "MultiWorkerMirroredStrategy", "scope")):
         return []
     out = []
-    for call in _calls(tree, "batch"):
+    for call in calls(tree, "batch"):
         if call.args and isinstance(call.args[0], ast.Name):
             name = call.args[0].id.lower()
             if "per_worker" in name or "per_replica" in name:

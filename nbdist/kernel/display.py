@@ -201,11 +201,6 @@ class Figure:
         return buf.getvalue()
 
 
-def render_png(agg: Aggregate, *, smoothing: float = 1.0) -> bytes:
-    """The figure for ``agg`` drawn once (for the final, static picture)."""
-    return Figure(agg.world).png(agg, smoothing)
-
-
 def _eta(last: dict[str, Any], total: int | None, elapsed: float) -> str:
     step = last.get("step")
     if total is None or step is None or step <= 0:

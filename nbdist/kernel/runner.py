@@ -15,6 +15,7 @@ group), the collective timeout for TensorFlow.
 
 from __future__ import annotations
 
+import ast
 import logging
 import pickle
 import sys
@@ -36,7 +37,7 @@ from nbdist.errors import (
     WorkerDied,
     WorkerError,
 )
-from nbdist.kernel.checks import CheckContext, check_source
+from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream
@@ -237,9 +238,6 @@ class Runner:
     # -- the run ---------------------------------------------------------------------------------
     def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
         """Run ``source`` as one job on the cluster; see the magic's docstring."""
-        return self._run(opts, source, user_ns)
-
-    def _run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
         tree = parse_cell(source)
         if opts.check_only:
             self.report_findings(source, opts.workers, quiet=False)
@@ -302,7 +300,8 @@ class Runner:
             _RankOutput(s.rank, opts.ranks is None or s.rank in opts.ranks, self.out, self.err)
             for s in specs
         ]
-        release = backends.load(framework).peer_release_s(specs[0].options)
+        backend = backends.load(framework)
+        release = backend.peer_release_s(specs[0].options)
         stream = MetricsStream(len(specs))
         watch = _Watch()
         live = LiveView(
@@ -355,7 +354,6 @@ class Runner:
         )
         if summary is not None:
             print(summary, file=self.out, flush=True)
-        backend = backends.load(framework)
         if failures or watch.reason is not None:
             if not backend.KEEPS_RENDEZVOUS_AFTER_FAILURE:
                 self.cluster.rendezvous.pop(framework, None)
@@ -526,18 +524,10 @@ class Runner:
         return reports, failures, stopped
 
 
-def may_log(tree: Any, autolog: bool) -> bool:
+def may_log(tree: ast.Module, autolog: bool) -> bool:
     """Whether the cell records metrics: it calls ``log``, or autolog sees ``backward``/``fit``."""
-    import ast
-
-    names = {"log"} | ({"backward", "fit"} if autolog else set())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if name in names:
-                return True
-    return False
+    names = ("log", "backward", "fit") if autolog else ("log",)
+    return any(calls(tree, *names))
 
 
 def _ipython_display(*objs: Any, **kwargs: Any) -> Any:
