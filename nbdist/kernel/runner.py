@@ -55,29 +55,46 @@ LIVENESS_EVERY_S = 0.25
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 
 
-class _RankOutput:
-    """Forwards one rank's new stdout/stderr lines to the cell, prefixed ``[rank N]``."""
+class _OutputRelay:
+    """Forwards the ranks' new stdout/stderr lines to the cell, prefixed ``[rank N]``.
 
-    def __init__(self, rank: int, visible: bool, out: TextIO, err: TextIO) -> None:
-        self.rank, self.visible = rank, visible
+    Lines are held for up to ``HOLD_S`` and a burst is written in rank order, so lines that ranks
+    print at about the same time (after a collective, say) read ``[rank 0]``, ``[rank 1]``, ...
+    instead of in whichever order the messages happened to arrive.
+    """
+
+    HOLD_S = 0.3
+
+    def __init__(self, visible: list[bool], out: TextIO, err: TextIO) -> None:
+        self.visible = visible
         self._sinks = {"stdout": out, "stderr": err}
-        self._seen = {"stdout": 0, "stderr": 0}
-        self._partial = {"stdout": "", "stderr": ""}
+        n = len(visible)
+        self._seen = {name: [0] * n for name in self._sinks}
+        self._partial = {name: [""] * n for name in self._sinks}
+        self._held: dict[str, list[tuple[int, str]]] = {name: [] for name in self._sinks}
+        self._since: dict[str, float] = {}
 
-    def pump(self, ar: Any, final: bool = False) -> None:
-        for name in ("stdout", "stderr"):
-            text = getattr(ar, name) or ""
-            new, self._seen[name] = text[self._seen[name] :], len(text)
-            if not self.visible or not (new or final):
-                continue
-            buf = self._partial[name] + new
-            lines = buf.split("\n")
-            self._partial[name] = "" if final else lines.pop()
-            sink = self._sinks[name]
-            for line in lines:
-                if line or not final:
-                    sink.write(f"[rank {self.rank}] {line}\n")
-            sink.flush()
+    def pump(self, ars: list[Any], final: bool = False) -> None:
+        now = time.monotonic()
+        for name, sink in self._sinks.items():
+            held = self._held[name]
+            for rank, ar in enumerate(ars):
+                text = getattr(ar, name) or ""
+                seen = self._seen[name]
+                new, seen[rank] = text[seen[rank] :], len(text)
+                if not self.visible[rank] or not (new or final):
+                    continue
+                lines = (self._partial[name][rank] + new).split("\n")
+                self._partial[name][rank] = "" if final else lines.pop()
+                held.extend((rank, line) for line in lines if line or not final)
+            if held:
+                self._since.setdefault(name, now)
+            if held and (final or now - self._since[name] >= self.HOLD_S):
+                held.sort(key=lambda item: item[0])  # stable: each rank's lines stay in order
+                sink.write("".join(f"[rank {rank}] {line}\n" for rank, line in held))
+                sink.flush()
+                held.clear()
+                del self._since[name]
 
 
 def check_push(names: tuple[str, ...], user_ns: dict[str, Any]) -> dict[str, Any]:
@@ -296,10 +313,9 @@ class Runner:
     ) -> tuple[DistrainResult, dict[str, Any]]:
         start = time.monotonic()
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in specs]
-        outputs = [
-            _RankOutput(s.rank, opts.ranks is None or s.rank in opts.ranks, self.out, self.err)
-            for s in specs
-        ]
+        outputs = _OutputRelay(
+            [opts.ranks is None or s.rank in opts.ranks for s in specs], self.out, self.err
+        )
         backend = backends.load(framework)
         release = backend.peer_release_s(specs[0].options)
         stream = MetricsStream(len(specs))
@@ -317,8 +333,7 @@ class Runner:
         wall = time.monotonic() - start
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         watch.dead = sorted(set(watch.dead) | set(self.cluster.dead(range(len(specs)))))
-        for ar, output in zip(ars, outputs, strict=True):
-            output.pump(ar, final=True)
+        outputs.pump(ars, final=True)
 
         if watch.killed or watch.dead:
             lost = sorted(set(watch.killed) | set(watch.dead))
@@ -407,7 +422,7 @@ class Runner:
     def _watch(
         self,
         ars: list[Any],
-        outputs: list[_RankOutput],
+        outputs: _OutputRelay,
         stream: MetricsStream,
         live: LiveView,
         watch: _Watch,
@@ -422,8 +437,8 @@ class Runner:
         while True:
             try:
                 now = time.monotonic()
-                for rank, (ar, output) in enumerate(zip(ars, outputs, strict=True)):
-                    output.pump(ar)
+                outputs.pump(ars)
+                for rank, ar in enumerate(ars):
                     if stream.pump(rank, ar.data):
                         watch.note_progress(rank, now)
                 pending = [r for r, ar in enumerate(ars) if not ar.ready()]
