@@ -22,6 +22,7 @@ from nbdist.errors import (
 from nbdist.kernel.checks import CheckContext, Finding, check_source
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
+from nbdist.kernel.scan import ScanResult
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "RankFailure",
     "RankResult",
     "RunOptions",
+    "ScanResult",
     "WorkerDied",
     "WorkerError",
     "__version__",

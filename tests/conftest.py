@@ -11,7 +11,7 @@ def _ipyparallel_children() -> list[psutil.Process]:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "ipyparallel" in cmd or "ipengine" in cmd or "ipcontroller" in cmd:
+        if any(k in cmd for k in ("ipyparallel", "ipengine", "ipcontroller", "nbdist.engine")):
             out.append(child)
     return out
 

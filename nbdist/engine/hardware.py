@@ -36,11 +36,52 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def engine_info() -> dict[str, object]:
-    """Identity and hardware of the engine this runs in; gathered once per engine."""
+ADDRESS_ENV = "NBDIST_ADDRESS"
+
+# This engine's reachable address, once engine_info has found it (None: not asked yet).
+own_address: str | None = None
+
+
+def reachable_address(peer: str) -> str:
+    """The address other hosts reach this process at: ``$NBDIST_ADDRESS`` when set (a host with
+    several interfaces, or a test that gives engines on one machine different loopback
+    addresses), else the local address of the interface this host uses to reach ``peer`` (the
+    controller). A UDP "connect" picks the route without sending anything."""
+    env = os.environ.get(ADDRESS_ENV, "").strip()
+    if env:
+        return env
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def interface_of(address: str) -> str | None:
+    """Name of the network interface holding ``address`` (for ``GLOO_SOCKET_IFNAME``)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def engine_info(peer: str | None = None) -> dict[str, object]:
+    """Identity and hardware of the engine this runs in; gathered once per engine.
+
+    ``peer`` is the controller's address: with it, the engine also reports the address other
+    hosts reach it at (see :func:`reachable_address`).
+    """
+    global own_address
+    if peer is not None:
+        own_address = reachable_address(peer)
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "gpus": visible_gpus(),
         "cpus": usable_cpus(),
+        "address": own_address,
     }

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_WORKERS = 2
 ENGINE_START_TIMEOUT_S = 120
+HEARTBEAT_MS = 500
 LOOPBACK = "127.0.0.1"
 
 
@@ -82,6 +83,14 @@ class EngineInfo:
     local_world_size: int
 
 
+def _host_key(address: str) -> tuple[Any, ...]:
+    """Sort hosts by address (numerically for IPv4), so ranks are contiguous per host."""
+    parts = address.split(".")
+    if len(parts) == 4 and all(p.isdigit() for p in parts):
+        return (0, *(int(p) for p in parts))
+    return (1, address)
+
+
 @dataclass
 class Rendezvous:
     """A framework's live rendezvous on the current engines: the key it was made for and envs."""
@@ -108,11 +117,16 @@ class LocalCluster:
         self.engines: list[EngineInfo] = []
         self.warm: set[str] = set()
         self.rendezvous: dict[str, Rendezvous] = {}
+        # The framework new engines import before they register (see nbdist.engine.boot).
+        self.preload: str | None = None
+        # False for a cluster started elsewhere (%distrain connect): nbdist never stops it.
+        self.owned = True
+        self.source = f"a local ipyparallel cluster ({LOOPBACK})"
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return self._cluster is not None
+        return self._client is not None
 
     @property
     def size(self) -> int:
@@ -125,6 +139,7 @@ class LocalCluster:
 
         if self.running:
             return
+        self.owned, self.source = True, f"a local ipyparallel cluster ({LOOPBACK})"
         n = n or default_workers()
         self._check_gpus(n)
         cleaned = clean_stale()
@@ -136,12 +151,21 @@ class LocalCluster:
         config = Config()
         # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
         config.LocalProcessLauncher.stop_seconds_until_kill = 1
+        config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
+        self._preload_in(config)
         workers = f"{n} worker{'s' if n > 1 else ''}"
         self._notify(f"nbdist: starting {workers} (local ipyparallel cluster on {LOOPBACK})")
         start = time.perf_counter()
         cluster = ipp.Cluster(
             n=n,
             controller_ip=LOOPBACK,
+            # The hub registers an engine at its first heartbeat: with the default 3 s period,
+            # engines wait ~4 s idle before they are usable. 0.5 s (20 misses = 10 s before an
+            # engine counts as dead, as with the default) brings a cold start from ~7 s to ~3 s.
+            controller_args=[
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
+            ],
             # WARNING would print every replaced engine's whole log into the cell.
             log_level=logging.ERROR,
             config=config,
@@ -165,7 +189,15 @@ class LocalCluster:
         log.info("cluster with %d engines up in %.1f s", n, time.perf_counter() - start)
 
     def stop(self) -> None:
-        """Stop engines and controller; no process is left behind."""
+        """Stop engines and controller; no process is left behind. A connected cluster (one
+        nbdist did not start) is only disconnected from: its engines keep running."""
+        if not self.owned:
+            client, self._client, self._cluster = self._client, None, None
+            self._forget_engines()
+            if client is not None:
+                client.close()
+            self.owned = True
+            return
         cluster, client = self._cluster, self._client
         pids = [e.pid for e in self.engines]
         self._cluster = self._client = None
@@ -240,7 +272,62 @@ class LocalCluster:
                 reaper.kill()
                 reaper.wait()
 
+    def connect(
+        self,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        profile_dir: str | None = None,
+        url_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        """Attach to an ipyparallel cluster started elsewhere (``ipcluster start`` with any
+        launcher, or a controller and engines started by hand); its engines become the workers.
+        """
+        import ipyparallel as ipp
+
+        if self.running:
+            self._notify("nbdist: leaving the current cluster for the one to connect to")
+            self.stop()
+        if url_file is not None:
+            where = f"connection file {url_file}"
+            kwargs: dict[str, Any] = {"connection_info": url_file}
+        else:
+            where = f"profile {profile or 'default'}" + (
+                f", cluster id {cluster_id}" if cluster_id else ""
+            )
+            kwargs = {"profile": profile, "profile_dir": profile_dir, "cluster_id": cluster_id}
+        try:
+            client = ipp.Client(timeout=timeout, **kwargs)
+        except Exception as e:
+            raise ClusterError(
+                f"could not connect to the ipyparallel cluster ({where}): {e}. Is it running? "
+                "Start it with: ipcluster start -n N --profile NAME (or check the profile, "
+                "cluster id or connection file)."
+            ) from None
+        try:
+            client.wait_for_engines(1, timeout=timeout, interactive=False)
+            # Engines that register in a burst: give the rest a moment to arrive.
+            seen, stable_since = len(client.ids), time.monotonic()
+            while time.monotonic() - stable_since < 1.0:
+                time.sleep(0.1)
+                if len(client.ids) != seen:
+                    seen, stable_since = len(client.ids), time.monotonic()
+        except Exception as e:
+            client.close()
+            raise ClusterError(
+                f"connected to the controller ({where}) but no engine registered within "
+                f"{timeout:.0f} s: {e}. Start engines with: ipcluster engines -n N --profile NAME."
+            ) from None
+        self._client, self._cluster = client, None
+        self.owned, self.source = False, f"a connected ipyparallel cluster ({where})"
+        self._forget_engines()
+        self._learn_engines()
+
     def restart(self, n: int | None = None) -> None:
+        if not self.owned:
+            self.replace_engines(n)
+            return
         n = n or self.size or None
         self.stop()
         self.start(n)
@@ -249,17 +336,32 @@ class LocalCluster:
         """Have a cluster of ``n`` engines (keep the running one when ``n`` is None or equal)."""
         if not self.running:
             self.start(n)
+        elif not self.owned:
+            if n is not None and n > self.size:
+                from IPython.core.error import UsageError
+
+                raise UsageError(
+                    f"%%distrain: -n {n}, but the connected cluster has {self.size} engines. "
+                    f"Use -n {self.size} or fewer, or add engines with ipcluster engines."
+                )
         elif n is not None and n != self.size:
             self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
             self.replace_engines(n)
 
     def replace_engines(self, n: int | None = None) -> None:
         """Stop every engine and start ``n`` fresh ones under the same controller."""
+        if not self.owned:
+            raise ClusterError(
+                f"the workers need a restart, and nbdist does not start or stop the engines of "
+                f"{self.source}. Restart them where they were started (e.g. ipcluster stop / "
+                "ipcluster start --profile NAME), then %distrain connect again."
+            )
         n = n or self.size
         self._check_gpus(n)
         self._shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
+        self._preload_in(self._cluster.config)
         self._cluster.start_engines_sync(n)
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while len(self._client.ids) != n:
@@ -269,6 +371,13 @@ class LocalCluster:
                 )
             time.sleep(0.05)
         self._learn_engines()
+
+    def _preload_in(self, config: Any) -> None:
+        # torch only: importing it starts no threads and touches no device. TensorFlow starts
+        # its runtime at import (and loads CUDA libraries before the GPU pinning); it is
+        # imported by the warm-up call, after the engine registered, as before.
+        preload = self.preload if self.preload == "torch" else None
+        config.LocalEngineSetLauncher.environment = {"NBDIST_PRELOAD": preload or ""}
 
     def _forget_engines(self) -> None:
         self.engines = []
@@ -287,25 +396,37 @@ class LocalCluster:
 
     def _learn_engines(self) -> None:
         ids = sorted(self._client.ids)
-        infos = self._client[ids].apply_sync(worker.engine_info)
+        peer = LOOPBACK if self.owned else self._controller_host()
+        infos = self._client[ids].apply_sync(worker.engine_info, peer)
+        if self.owned:
+            for info in infos:
+                info["address"] = LOOPBACK
+        # A host is the address the other hosts reach its engines at: ranks are grouped by it
+        # (LOCAL_RANK, GPU pinning), and rank 0's is MASTER_ADDR.
+        order = sorted(range(len(ids)), key=lambda i: (_host_key(infos[i]["address"]), ids[i]))
+        ids, infos = [ids[i] for i in order], [infos[i] for i in order]
         by_host: dict[str, list[int]] = {}
         for rank, info in enumerate(infos):
-            by_host.setdefault(info["host"], []).append(rank)
+            by_host.setdefault(info["address"], []).append(rank)
         engines = []
         for rank, (eid, info) in enumerate(zip(ids, infos, strict=True)):
-            peers = by_host[info["host"]]
+            peers = by_host[info["address"]]
             local_rank = peers.index(rank)
             gpus = info["gpus"]
             if len(peers) == 1 and gpus:
                 gpu = ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
+            elif local_rank < len(gpus):
+                gpu = gpus[local_rank]
             else:
-                gpu = gpus[local_rank] if local_rank < len(gpus) else None
+                # A launcher that binds one GPU per task (srun --gpus-per-task=1) already gave
+                # this engine its own; otherwise more engines than GPUs: this one gets none.
+                gpu = gpus[0] if len(gpus) == 1 else None
             engines.append(
                 EngineInfo(
                     rank=rank,
                     engine_id=eid,
                     host=info["host"],
-                    address=LOOPBACK,
+                    address=info["address"],
                     pid=info["pid"],
                     gpu=gpu,
                     cpus=info["cpus"],
@@ -315,7 +436,16 @@ class LocalCluster:
             )
         self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
         self.engines = engines
-        self._write_pidfile()
+        if self.owned:
+            self._write_pidfile()
+
+    def _controller_host(self) -> str:
+        """The controller's address as the client reached it: engines find the interface they
+        use towards it (see ``hardware.reachable_address``)."""
+        from urllib.parse import urlparse
+
+        # ipyparallel keeps the connection file's content, the interface made concrete, here.
+        return urlparse(self._client._config["interface"]).hostname or LOOPBACK
 
     # -- work ------------------------------------------------------------------------------------
     def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -341,6 +471,11 @@ class LocalCluster:
 
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL the engines of ``ranks``: for ranks that ignored the interrupt."""
+        if not self.owned:  # engines may be on other hosts: their nannies deliver the signal
+            targets = [self.engines[r].engine_id for r in ranks]
+            if targets:
+                self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
+            return
         for r in ranks:
             try:
                 os.kill(self.engines[r].pid, signal.SIGKILL)
@@ -351,6 +486,9 @@ class LocalCluster:
         """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
         import psutil
 
+        if not self.owned:  # no process to look at: an engine is dead when the hub says so
+            alive = set(self._client.ids)
+            return [r for r in ranks if self.engines[r].engine_id not in alive]
         gone = []
         for r in ranks:
             try:
@@ -369,11 +507,35 @@ class LocalCluster:
             for e in self.engines
         }
 
+    def connected_text(self) -> str:
+        """One line after ``%distrain connect``: engines per host address."""
+        hosts: dict[str, int] = {}
+        for e in self.engines:
+            hosts[e.address] = hosts.get(e.address, 0) + 1
+        per_host = ", ".join(f"{a}: {n} engine{'s' if n > 1 else ''}" for a, n in hosts.items())
+        return (
+            f"nbdist: connected to {self.size} engines on {len(hosts)} "
+            f"host{'s' if len(hosts) > 1 else ''} ({per_host}); %distrain status shows them"
+        )
+
     def status_text(self) -> str:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
         busy = self.busy()
-        lines = [f"nbdist: {self.size} workers on a local ipyparallel cluster ({LOOPBACK})"]
+        hosts: dict[str, list[EngineInfo]] = {}
+        for e in self.engines:
+            hosts.setdefault(e.address, []).append(e)
+        lines = [
+            f"nbdist: {self.size} workers on {len(hosts)} host{'s' if len(hosts) > 1 else ''}, "
+            f"{self.source}"
+        ]
+        for address, engines in hosts.items():
+            gpus = [e.gpu for e in engines if e.gpu is not None]
+            lines.append(
+                f"  {engines[0].host} ({address}): {len(engines)} engine"
+                f"{'s' if len(engines) > 1 else ''}, ranks {engines[0].rank}-{engines[-1].rank}, "
+                f"GPUs {','.join(gpus) if gpus else 'none'}"
+            )
         lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
         for e in self.engines:
             state = "busy" if busy.get(e.rank) else "idle"

@@ -21,6 +21,7 @@ Cell magic::
 
     %%distrain [-n N] [--framework torch|tf] [--backend gloo|nccl] [--strategy mirrored]
                [--push A,B] [--pull X,Y] [-o NAME] [--ranks R,S] [--timeout S] [--no-check]
+               [--scan 1,2,...]
 
 Line magic::
 
@@ -29,6 +30,10 @@ Line magic::
     %distrain restart [-n N]  fresh workers (after a crash, or to change N)
     %distrain status          workers, hosts, GPUs, busy/idle
     %distrain check SOURCE    check code (a string variable's name, or code) for mistakes
+    %distrain connect --profile NAME   use the engines of a cluster started elsewhere
+                              (ipcluster start --profile NAME, SSH/MPI/Slurm launchers);
+                              also --cluster-id ID, --profile-dir DIR, --file CONNECTION.json
+    %distrain export train.py  the last %%distrain cell as a script for torchrun / TF_CONFIG
 
 The cell runs on every worker at once, as rank 0 .. N-1 of one job. Before it starts the
 process group is ready (``torch.distributed``: nccl with GPUs, gloo without), and the cell
@@ -108,6 +113,17 @@ Data in, results out::
     %%distrain --push data --pull weights
     weights = data[rank::world_size].mean(0)
 
+A scaling study: the same cell with 1 and then 2 workers, throughput against the ideal line,
+speedup and efficiency (``scan.speedup``, ``scan.efficiency``, ``scan.runs``)::
+
+    %%distrain --scan 1,2 -o scan
+    model = nn.parallel.DistributedDataParallel(nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(100):
+        opt.zero_grad()
+        model(torch.randn(512, 256)).pow(2).mean().backward()   # autolog counts the samples
+        opt.step()
+
 Flags
 -----
 """
@@ -117,12 +133,15 @@ def _doc() -> str:
     return _DOC + run_parser().format_help()
 
 
+_SUBCOMMANDS = (
+    "start [-n N] | stop | restart [-n N] | status | check SOURCE | "
+    "connect [--profile NAME] [--cluster-id ID] [--file CONNECTION.json] | export SCRIPT.py"
+)
+
+
 class _SubParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(
-            f"%distrain: {message}. Use %distrain start [-n N] | stop | restart [-n N] | status"
-            " | check SOURCE."
-        )
+        raise UsageError(f"%distrain: {message}. Use %distrain {_SUBCOMMANDS}.")
 
 
 def _subcommand_parser() -> argparse.ArgumentParser:
@@ -135,6 +154,14 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     check.add_argument("source", nargs="+")
     sub.add_parser("stop", add_help=False)
     sub.add_parser("status", add_help=False)
+    connect = sub.add_parser("connect", add_help=False)
+    connect.add_argument("--profile")
+    connect.add_argument("--cluster-id")
+    connect.add_argument("--profile-dir")
+    connect.add_argument("--file", dest="url_file")
+    connect.add_argument("--timeout", type=float, default=30.0)
+    export = sub.add_parser("export", add_help=False)
+    export.add_argument("path")
     return p
 
 
@@ -163,6 +190,21 @@ class DistrainMagics(Magics):
         self.runner = Runner(self.cluster, notify=self._notify)
         self.runner.interrupt_path = _interrupt_path(shell)
 
+    def _export(self, path: str) -> None:
+        from nbdist.kernel.export import export_script
+
+        last = self.runner.last
+        if last is None:
+            raise UsageError(
+                "%distrain export: no %%distrain cell has run in this kernel yet; run one, "
+                "then %distrain export train.py."
+            )
+        if not path.endswith(".py"):
+            raise UsageError(f"%distrain export: {path!r} should be a .py file, e.g. train.py")
+        written = export_script(last, path)
+        extra = f" (and {written[1].name}, the --push data)" if len(written) > 1 else ""
+        print(f"nbdist: wrote {written[0]}{extra}; how to run it is at the top of the file.")
+
     @staticmethod
     def _notify(message: str) -> None:
         print(message, file=sys.stdout, flush=True)
@@ -182,8 +224,7 @@ class DistrainMagics(Magics):
             raise UsageError(f"%distrain: cannot split {line!r} ({e})") from None
         if not argv:
             raise UsageError(
-                "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status | "
-                "check SOURCE. "
+                f"%distrain needs a subcommand: {_SUBCOMMANDS}. "
                 "To run a cell, put %%distrain (two %) on its first line."
             )
         ns = _subcommand_parser().parse_args(argv)
@@ -198,9 +239,25 @@ class DistrainMagics(Magics):
             self.cluster.restart(ns.workers)
             print(self.cluster.status_text())
         elif ns.command == "stop":
-            was = self.cluster.running
+            was, owned = self.cluster.running, self.cluster.owned
             self.cluster.stop()
-            print("nbdist: cluster stopped" if was else "nbdist: no cluster was running")
+            if not was:
+                print("nbdist: no cluster was running")
+            elif owned:
+                print("nbdist: cluster stopped")
+            else:
+                print("nbdist: disconnected; the connected cluster's engines keep running")
+        elif ns.command == "connect":
+            self.cluster.connect(
+                profile=ns.profile,
+                cluster_id=ns.cluster_id,
+                profile_dir=ns.profile_dir,
+                url_file=ns.url_file,
+                timeout=ns.timeout,
+            )
+            print(self.cluster.connected_text())
+        elif ns.command == "export":
+            self._export(ns.path)
         elif ns.command == "check":
             text = " ".join(ns.source)
             value = self.shell.user_ns.get(text)

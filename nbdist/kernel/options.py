@@ -36,6 +36,7 @@ class RunOptions:
     autolog: bool = True
     plot: bool = True
     smoothing: float = 1.0
+    scan: tuple[int, ...] | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,6 +84,20 @@ def _ranks(text: str) -> tuple[int, ...]:
     if not ranks or min(ranks) < 0:
         raise argparse.ArgumentTypeError(f"expected ranks like 0 or 0,1, got {text!r}")
     return ranks
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected worker counts like 1,2 or 1,2,4, got {text!r}"
+        ) from None
+    if len(counts) < 2 or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"expected two or more different worker counts like 1,2 or 1,2,4, got {text!r}"
+        )
+    return counts
 
 
 def _seconds(text: str) -> float:
@@ -188,6 +203,13 @@ def run_parser() -> argparse.ArgumentParser:
         "for S seconds after the first progress of any rank (default 60)",
     )
     p.add_argument(
+        "--scan",
+        type=_counts,
+        metavar="1,2,...",
+        help="scaling study: run the cell once with each number of workers and show the "
+        "throughput, speedup and efficiency against the ideal line",
+    )
+    p.add_argument(
         "--no-check",
         dest="check",
         action="store_false",
@@ -210,6 +232,17 @@ def parse_run_options(line: str) -> RunOptions:
     ns = run_parser().parse_args(argv)
     if ns.out is not None and not ns.out.isidentifier():
         raise UsageError(f"%%distrain: -o needs a variable name, got {ns.out!r}; e.g. -o result")
+    if ns.scan is not None and ns.workers is not None:
+        raise UsageError(
+            f"%%distrain: --scan {','.join(map(str, ns.scan))} sets the worker counts itself; "
+            "drop -n."
+        )
+    if ns.scan is not None and (ns.strategy == "mirrored" or ns.pull):
+        flag = "--pull" if ns.pull else "--strategy mirrored"
+        raise UsageError(
+            f"%%distrain: --scan runs the cell several times; {flag} does not go with it. "
+            "Drop one of them."
+        )
     return RunOptions(
         workers=ns.workers,
         framework=ns.framework,
@@ -226,4 +259,5 @@ def parse_run_options(line: str) -> RunOptions:
         autolog=ns.autolog,
         plot=ns.plot,
         smoothing=ns.smooth,
+        scan=ns.scan,
     )

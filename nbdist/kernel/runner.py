@@ -21,7 +21,7 @@ import pickle
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from IPython.core.error import UsageError
@@ -40,9 +40,11 @@ from nbdist.errors import (
 from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
 from nbdist.kernel.display import LiveView
+from nbdist.kernel.export import LastCell
 from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
+from nbdist.kernel.scan import ScanResult, run_scan
 from nbdist.kernel.source import infer_framework, parse_cell
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,7 @@ class Runner:
         self.view: LiveView | None = None  # the running cell's live view
         self._notify = notify or (lambda msg: print(msg, file=self.out))
         self._run_id = 0
+        self.last: LastCell | None = None  # the last cell run, for %distrain export
 
     @property
     def out(self) -> TextIO:
@@ -253,16 +256,21 @@ class Runner:
         return findings
 
     # -- the run ---------------------------------------------------------------------------------
-    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> DistrainResult | None:
+    def run(
+        self, opts: RunOptions, source: str, user_ns: dict[str, Any]
+    ) -> DistrainResult | ScanResult | None:
         """Run ``source`` as one job on the cluster; see the magic's docstring."""
         tree = parse_cell(source)
         if opts.check_only:
             self.report_findings(source, opts.workers, quiet=False)
             return None
+        if opts.scan is not None:
+            return self._scan(opts, source, user_ns)
         framework = infer_framework(tree, opts.framework)
         push = check_push(opts.push, user_ns)
         if opts.check:
             self.report_findings(source, opts.workers or self.cluster.size or None)
+        self.cluster.preload = framework  # engines started from here on import it as they start
         self.cluster.ensure(opts.workers)
         if opts.ranks is not None and max(opts.ranks) >= self.cluster.size:
             raise UsageError(
@@ -279,7 +287,18 @@ class Runner:
             )
             if v is not None
         }
-        world = backends.load(framework).workers_used(backend_options, self.cluster.size)
+        available = self.cluster.size
+        if opts.workers is not None:  # a connected cluster may have more engines than asked for
+            available = min(opts.workers, available)
+        world = backends.load(framework).workers_used(backend_options, available)
+        self.last = LastCell(
+            source=source,
+            framework=framework,
+            world_size=world,
+            autolog=opts.autolog,
+            push=push,
+            strategy=opts.strategy,
+        )
         self._warm_up(framework)
         envs = self._rendezvous(framework, opts, world, backend_options)
         self._run_id += 1
@@ -307,6 +326,26 @@ class Runner:
         if opts.out is not None:
             user_ns[opts.out] = result
         return result
+
+    def _scan(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> ScanResult:
+        first = opts.scan[0]
+
+        def run(n: int) -> DistrainResult:
+            # One figure for the whole scan; the checker's warnings once, before the first run.
+            single = replace(opts, workers=n, scan=None, plot=False, out=None,
+                             check=opts.check and n == first)  # fmt: skip
+            return self.run(single, source, user_ns)
+
+        scan = run_scan(
+            run,
+            opts.scan,
+            plot=opts.plot,
+            display=self._display,
+            out=lambda text: print(text, file=self.out),
+        )
+        if opts.out is not None:
+            user_ns[opts.out] = scan
+        return scan
 
     def _execute(
         self, specs: list[RankSpec], opts: RunOptions, framework: str, expect_metrics: bool

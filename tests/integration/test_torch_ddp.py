@@ -253,6 +253,23 @@ def test_resize_with_notice(ready, magics, capsys):
     assert ready.user_ns["res"].values == [2, 2]
 
 
+def test_scan_runs_the_cell_with_each_worker_count(ready, capsys):
+    cell = "for step in range(4):\n    log(loss=1.0, samples=100)\nworld_size\n"
+    ready.run_cell_magic("distrain", "--scan 1,2 --framework torch -o scan", cell)
+    scan = ready.user_ns["scan"]
+    assert scan.workers == (1, 2)
+    assert [run.values for run in scan.runs] == [[1], [2, 2]]
+    assert scan.unit == "samples/s"
+    assert scan.throughput == (400 / scan.runs[0].wall, 800 / scan.runs[1].wall)
+    assert scan.efficiency[1] == scan.throughput[1] / scan.throughput[0] / 2
+    out = capsys.readouterr().out
+    assert "nbdist: scan: 1 worker\n" in out and "nbdist: scan: 2 workers\n" in out
+    assert "workers     samples/s  speedup  efficiency" in out
+    assert out.count("<nbdist figure") == 0 and "<nbdist scan: throughput vs workers>" in out
+    assert ready.run_cell_magic("distrain", "-o res --framework torch", "world_size") is None
+    assert ready.user_ns["res"].values == [2, 2]  # the scan left 2 workers, as it ended
+
+
 @pytest.mark.slow
 def test_stress_30_runs_mixed_success_and_failure(ready):
     """The group lifecycle must never hang: 30 runs, every third one failing mid-training."""

@@ -42,6 +42,13 @@ def test_every_flag():
         ("--timeout soon", "expected seconds, got 'soon'"),
         ("--push 'a", "cannot split the flags"),
         ("extra", "unrecognized arguments: extra"),
+        ("--scan 2", "expected two or more different worker counts like 1,2 or 1,2,4, got '2'"),
+        ("--scan 1,1", "expected two or more different worker counts"),
+        ("--scan 0,1", "expected two or more different worker counts"),
+        ("--scan one,two", "expected worker counts like 1,2 or 1,2,4, got 'one,two'"),
+        ("-n 2 --scan 1,2", "--scan 1,2 sets the worker counts itself; drop -n."),
+        ("--scan 1,2 --pull w", "--pull does not go with it"),
+        ("--scan 1,2 --strategy mirrored", "--strategy mirrored does not go with it"),
     ],
 )
 def test_bad_flags_are_usage_errors(line, expected):
@@ -49,3 +56,8 @@ def test_bad_flags_are_usage_errors(line, expected):
         parse_run_options(line)
     assert expected in str(info.value)
     assert str(info.value).startswith("%%distrain")
+
+
+def test_scan():
+    assert parse_run_options("--scan 1,2,4").scan == (1, 2, 4)
+    assert parse_run_options("--scan 2,1").scan == (2, 1)

@@ -10,8 +10,11 @@ A backend module provides:
     how many of the available engines a job uses (1 for a single-process strategy).
 ``peer_release_s(options)``
     how long a rank blocked in a collective takes to notice that a peer is gone.
+``preload()``
+    imports only, run before an engine starts when its first cell's framework is known (no
+    device or thread set-up: the engine is not pinned to its GPU yet).
 ``warm_up(*, local_world_size, cpus)``
-    once per engine: import the framework and size its thread pools.
+    once per engine: import the framework (``preload``) and size its thread pools.
 ``prepare(*, rank, world_size, options, state)``
     once per new rendezvous, on every engine: the engine's part of it (e.g. a port it opened),
     or ``{"restart": reason}`` when this engine process cannot take part any more.

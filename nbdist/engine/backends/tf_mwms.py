@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from nbdist.engine import hardware
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import EngineState
 
@@ -57,18 +58,25 @@ def _mode(options: Mapping[str, Any]) -> str:
     return "mirrored" if options.get("strategy") == "mirrored" else "multiworker"
 
 
-def warm_up(*, local_world_size: int, cpus: int) -> None:
+def preload() -> None:
+    """Imports only: no op runs, so threading and TF_CONFIG can still be set afterwards."""
     # TensorFlow's C++ INFO lines and its per-collective Python INFO logs would flood the cell.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
     tf.get_logger().setLevel(logging.WARNING)
+    import keras  # noqa: F401 - ~2 s of imports, paid here rather than in the first cell
+
+
+def warm_up(*, local_world_size: int, cpus: int) -> None:
+    import tensorflow as tf
+
+    preload()
 
     # Threading must be set before TensorFlow runs its first op in this process.
     threads = max(1, cpus // max(1, local_world_size))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    import keras  # noqa: F401 - ~2 s of imports, paid here rather than in the first cell
 
 
 def prepare(
@@ -83,7 +91,7 @@ def prepare(
         }
     if "port" not in slot:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((options.get("bind_addr", "127.0.0.1"), 0))
+            s.bind((hardware.own_address or "127.0.0.1", 0))
             slot["port"] = s.getsockname()[1]
     return {"port": slot["port"]}
 

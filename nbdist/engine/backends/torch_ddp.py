@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from nbdist.engine import hardware
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import EngineState
 
@@ -43,16 +44,21 @@ def peer_release_s(options: Mapping[str, Any]) -> float:
     return 1.0
 
 
-def warm_up(*, local_world_size: int, cpus: int) -> None:
-    import torch
+def preload() -> None:
+    """Imports only (no CUDA initialisation): safe before the engine is pinned to its GPU."""
+    # The first DDP() imports torch._dynamo (~800 modules, ~1.5-3 s); pay it here, not in a cell.
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn  # noqa: F401
 
+
+def warm_up(*, local_world_size: int, cpus: int) -> None:
+    import torch
+
+    preload()
     if not torch.cuda.is_available():
         # Two workers with all cores each would fight over them: split the cores.
         torch.set_num_threads(max(1, cpus // max(1, local_world_size)))
-    # The first DDP() imports torch._dynamo (~800 modules, ~3 s); pay it here, not in a cell.
-    import torch._dynamo  # noqa: F401
 
 
 def _teardown(slot: dict[str, Any]) -> None:
@@ -142,11 +148,17 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     if not (dist.is_initialized() and slot.get("port") == port):
         if dist.is_initialized():
             _teardown(slot)
-        if _is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
-            # A local job: keep gloo's listening sockets on loopback, unreachable from other hosts.
-            lo = _loopback_interface()
-            if lo:
-                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            if _is_loopback(addr):
+                # A local job: keep gloo's sockets on loopback, unreachable from other hosts.
+                iface = _loopback_interface()
+            else:
+                # Several hosts: gloo's own guess (the hostname's address) is often 127.0.1.1 on
+                # Debian-like hosts; use the interface the other hosts reach this engine on.
+                own = hardware.own_address
+                iface = hardware.interface_of(own) if own else None
+            if iface:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
         store = slot.get("store")
         if store is None:
             store = dist.TCPStore(

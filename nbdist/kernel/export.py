@@ -1,0 +1,228 @@
+"""``%distrain export train.py``: the last ``%%distrain`` cell as a standalone script.
+
+The script does explicitly what nbdist did around the cell: it sets up the process group (or the
+TensorFlow strategy), defines the names the cell used (``rank``, ``world_size``, ``device``,
+``strategy``, ``log``, ...) and prints metrics to stdout. The cell itself is copied verbatim,
+so the script trains exactly as the notebook did: run it with ``torchrun`` (PyTorch) or with one
+``TF_CONFIG`` per worker process (TensorFlow).
+"""
+
+from __future__ import annotations
+
+import ast
+import pickle
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbdist.kernel.checks import calls
+
+
+@dataclass(frozen=True)
+class LastCell:
+    """What ``export`` needs from the last ``%%distrain`` run."""
+
+    source: str
+    framework: str
+    world_size: int
+    autolog: bool
+    push: dict[str, Any] = field(default_factory=dict)
+    strategy: str | None = None
+
+
+_LOG = '''
+_step = {}
+
+
+def log(step=None, **metrics):
+    """nbdist's log(...): in this script, one line per call on stdout, tagged with the rank."""
+    if step is None:
+        step = _step.get("n", 0)
+    _step["n"] = step + 1
+    values = " ".join(f"{k}={float(v):.6g}" for k, v in metrics.items())
+    # One write per line: the ranks share torchrun's stdout, and print() writes the line and
+    # its newline separately, so two ranks' lines could run into each other.
+    sys.stdout.write(f"[rank {rank}] step {step} {values}\\n")
+    sys.stdout.flush()
+'''
+
+_TORCH_AUTOLOG = """
+
+# nbdist recorded the loss of every backward() with no code in the cell ("autolog"); the cell
+# has no log(...) call, so here is the same capture spelled out: each scalar loss that
+# .backward() is called on is logged.
+_backward = torch.Tensor.backward
+
+
+def _logged_backward(self, *args, **kwargs):
+    if self.numel() == 1:
+        log(loss=self.detach())
+    return _backward(self, *args, **kwargs)
+
+
+torch.Tensor.backward = _logged_backward
+"""
+
+_TORCH_SETUP = """
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+# init_process_group("...") with no init_method reads them (the env:// rendezvous).
+local_rank = int(os.environ["LOCAL_RANK"])
+local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+if torch.cuda.is_available():
+    torch.cuda.set_device(local_rank)  # one GPU per process
+    device = torch.device("cuda", local_rank)
+    backend = "nccl"
+else:
+    device = torch.device("cpu")
+    backend = "gloo"
+    # Processes on one machine share its cores: split them, as nbdist did.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
+"""
+
+_TORCH_INIT = """
+dist.init_process_group({backend})
+rank = dist.get_rank()
+world_size = dist.get_world_size()
+is_main = rank == 0
+"""
+
+_TORCH_OWN_INIT = """
+# The cell calls init_process_group itself; rank and world_size come from torchrun's environment.
+rank = int(os.environ["RANK"])
+world_size = int(os.environ["WORLD_SIZE"])
+is_main = rank == 0
+"""
+
+_TF_SETUP = """
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+
+# TF_CONFIG (set by you, one per process) lists every worker and this process's index; it must
+# be in the environment before TensorFlow runs its first op.
+tf_config = json.loads(os.environ["TF_CONFIG"])
+rank = tf_config["task"]["index"]
+world_size = len(tf_config["cluster"]["worker"])
+local_rank, local_world_size = rank, world_size  # one machine; adjust for several
+is_main = rank == 0
+threads = max(1, len(os.sched_getaffinity(0)) // local_world_size)
+tf.config.threading.set_intra_op_parallelism_threads(threads)
+tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+try:  # Keras 3's fit fails under multi-worker MWMS (keras-team/keras#20585): nbdist's fix
+    from nbdist.engine.backends.tf_mwms import patch_keras
+
+    patch_keras()
+except ImportError:
+    print("nbdist is not installed: Keras 3 model.fit may fail with several workers "
+          "(keras-team/keras#20585)")
+
+gpus = tf.config.list_physical_devices("GPU")
+communication = tf.distribute.experimental.CommunicationOptions(
+    implementation=tf.distribute.experimental.CommunicationImplementation.NCCL
+    if gpus
+    else tf.distribute.experimental.CommunicationImplementation.RING,
+    timeout_seconds=30,  # a dead peer is reported instead of hanging
+)
+strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication)
+"""
+
+_TF_MIRRORED = """
+import os
+import sys
+
+import tensorflow as tf
+
+rank, world_size, local_rank, local_world_size, is_main = 0, 1, 0, 1, True
+strategy = tf.distribute.MirroredStrategy()  # every GPU of this machine (CPU:0 without)
+"""
+
+_PUSH = """
+import pickle
+
+# The notebook variables the cell was given with --push, saved next to this script.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r}), "rb") as _f:
+    globals().update(pickle.load(_f))
+"""
+
+
+def export_script(last: LastCell, path: str | Path) -> list[Path]:
+    """Write the script (and the pushed data beside it); returns the files written."""
+    path = Path(path)
+    written = [path]
+    tree = ast.parse(last.source)
+    used = {name for name in ("init_process_group", "destroy_process_group", "log")
+            if any(calls(tree, name))}  # fmt: skip
+    explicit_log = "log" in used
+    n = last.world_size
+    if last.framework == "torch":
+        run = f"torchrun --nproc_per_node {n} {path.name}"
+        parts = [_TORCH_SETUP]
+        if "init_process_group" in used:
+            parts.append(_TORCH_OWN_INIT)
+        else:
+            parts.append(_TORCH_INIT.format(backend="backend"))
+        parts.append(_LOG)
+        if last.autolog and not explicit_log:
+            parts.append(_TORCH_AUTOLOG)
+        how = f"Run it with:\n\n    {run}\n"
+    else:
+        if last.strategy == "mirrored":
+            parts = [_TF_MIRRORED, _LOG]
+            how = f"Run it with:\n\n    python {path.name}\n"
+        else:
+            parts = [_TF_SETUP, _LOG]
+            workers = ", ".join(f'"localhost:{12345 + i}"' for i in range(n))
+            how = (
+                f"Run one process per worker, each with its own TF_CONFIG (here {n} on this "
+                "machine):\n\n"
+                + "\n".join(
+                    f'    TF_CONFIG=\'{{"cluster": {{"worker": [{workers}]}}, '
+                    f'"task": {{"type": "worker", "index": {i}}}}}\' python {path.name} &'
+                    for i in range(n)
+                )
+                + "\n"
+            )
+    if last.push:
+        data = path.with_name(path.stem + "_push.pkl")
+        data.write_bytes(pickle.dumps(last.push))
+        written.append(data)
+        parts.append(_PUSH.format(name=data.name))
+    header = (
+        f'"""Exported from a %%distrain cell by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
+        f"The cell ran on {n} worker{'s' if n > 1 else ''} ({last.framework}). {how}"
+        '"""\n'
+    )
+    body = textwrap.dedent(last.source).strip("\n")
+    script = (
+        header
+        + "\n# --- what nbdist did before the cell "
+        + "-" * 56
+        + "\n"
+        + "".join(parts).strip("\n")
+        + "\n\n# --- the cell "
+        + "-" * 78
+        + "\n"
+        + body
+        + "\n"
+    )
+    if last.framework == "torch" and "destroy_process_group" not in used:
+        script += (
+            "\n# --- after the cell " + "-" * 73 + "\n"
+            "# No destroy_process_group() here: with the DDP model still alive it can deadlock\n"
+            "# gloo (pytorch#56297); the process exits next, which frees the group.\n"
+        )
+    path.write_text(script)
+    return written

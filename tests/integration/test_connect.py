@@ -1,0 +1,179 @@
+"""%distrain connect: engines started elsewhere, grouped by the address other hosts reach them at.
+
+A controller and two engines start as separate processes, as ``ipcluster`` would start them on
+other hosts; the engines present different addresses (127.0.0.2 and 127.0.0.3, both loopback),
+so this one machine looks like two hosts to nbdist, torch.distributed and TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist import ClusterError
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch]
+
+CLUSTER_ID = "nbdist-test"
+
+
+def _wait_for(path, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory):
+    """A controller and engines nbdist did not start; stopped at the end of the module."""
+    profile = tmp_path_factory.mktemp("profile_elsewhere")
+    common = [f"--profile-dir={profile}", f"--cluster-id={CLUSTER_ID}", "--log-level=ERROR"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", *common],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    _wait_for(profile / "security" / f"ipcontroller-{CLUSTER_ID}-engine.json")
+    for address in ("127.0.0.3", "127.0.0.2"):  # registration order is not rank order
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "ipyparallel.engine", *common],
+                env=os.environ | {"NBDIST_ADDRESS": address},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    yield profile, procs
+    for p in procs:
+        p.terminate()
+    _, alive = psutil.wait_procs([psutil.Process(p.pid) for p in procs if p.poll() is None], 3)
+    for p in alive:
+        p.kill()
+
+
+@pytest.fixture(scope="module")
+def connected(shell, elsewhere):
+    profile, _ = elsewhere
+    shell.run_line_magic(
+        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60"
+    )
+    yield shell
+    shell.run_line_magic("distrain", "stop")
+
+
+def test_engines_grouped_by_reachable_address(connected, magics, capsys):
+    assert magics.cluster.connected_text() == (
+        "nbdist: connected to 2 engines on 2 hosts (127.0.0.2: 1 engine, 127.0.0.3: 1 engine); "
+        "%distrain status shows them"
+    )
+    engines = magics.cluster.engines
+    assert [(e.rank, e.address, e.local_rank, e.local_world_size) for e in engines] == [
+        (0, "127.0.0.2", 0, 1),
+        (1, "127.0.0.3", 0, 1),
+    ]
+    connected.run_line_magic("distrain", "status")
+    out = capsys.readouterr().out
+    assert "nbdist: 2 workers on 2 hosts, a connected ipyparallel cluster (profile default, " \
+        f"cluster id {CLUSTER_ID})" in out  # fmt: skip
+    assert "(127.0.0.2): 1 engine, ranks 0-0, GPUs none" in out
+    assert "(127.0.0.3): 1 engine, ranks 1-1, GPUs none" in out
+
+
+DDP_CELL = """
+import os
+import psutil
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
+for step in range(10):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+port = int(os.environ["MASTER_PORT"])
+listening = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                    if c.status == "LISTEN" and c.laddr.port == port})
+env = {k: os.environ[k] for k in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+(env, listening, [p.detach().tolist() for p in model.parameters()])
+"""
+
+
+def test_ddp_rendezvous_on_rank_0s_address_and_trains(connected):
+    connected.run_cell_magic("distrain", "-o res --framework torch", DDP_CELL)
+    (env0, listen0, params0), (env1, listen1, params1) = connected.user_ns["res"].values
+    assert env0 == {"MASTER_ADDR": "127.0.0.2", "RANK": "0", "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    assert env1 == {"MASTER_ADDR": "127.0.0.2", "RANK": "1", "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    assert (listen0, listen1) == (["127.0.0.2"], [])  # the store: on rank 0's host address only
+    assert params0 == params1
+
+
+TF_CELL = """
+import json, os
+import numpy as np, keras
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+x = np.random.default_rng(0).normal(size=(128, 4)).astype("float32")
+model.fit(x, x.sum(1), batch_size=32, epochs=2, verbose=0)
+(json.loads(os.environ["TF_CONFIG"]), [w.tolist() for w in model.get_weights()])
+"""
+
+
+@pytest.mark.tf
+def test_tf_config_lists_each_engines_address_and_trains(connected):
+    connected.run_cell_magic("distrain", "-o res --framework tf", TF_CELL)
+    (config0, w0), (config1, w1) = connected.user_ns["res"].values
+    workers = config0["cluster"]["worker"]
+    assert [w.rsplit(":", 1)[0] for w in workers] == ["127.0.0.2", "127.0.0.3"]
+    assert config1["cluster"]["worker"] == workers
+    assert (config0["task"]["index"], config1["task"]["index"]) == (0, 1)
+    assert w0 == w1
+
+
+def test_connected_cluster_is_not_resized_or_restarted(connected):
+    with pytest.raises(UsageError, match="-n 3, but the connected cluster has 2 engines"):
+        connected.run_cell_magic("distrain", "-n 3 --framework torch", "x = 1")
+    with pytest.raises(ClusterError, match="nbdist does not start or stop the engines of a "
+                       "connected ipyparallel cluster"):  # fmt: skip
+        connected.run_line_magic("distrain", "restart")
+    connected.run_cell_magic("distrain", "-n 1 -o res --framework torch", "world_size")
+    assert connected.user_ns["res"].values == [1]  # a subset of the engines is fine
+
+
+def test_stop_disconnects_and_leaves_the_engines_running(shell, elsewhere, capsys):
+    profile, procs = elsewhere
+    shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
+    shell.run_line_magic("distrain", "stop")
+    assert "disconnected; the connected cluster's engines keep running" in capsys.readouterr().out
+    assert all(p.poll() is None for p in procs)
+
+
+def test_connect_to_nothing_says_how_to_start_one(shell, tmp_path):
+    with pytest.raises(ClusterError, match="ipcluster start -n N --profile NAME"):
+        shell.run_line_magic("distrain", f"connect --profile-dir {tmp_path} --timeout 2")
+
+
+def test_connection_file(shell, elsewhere):
+    profile, _ = elsewhere
+    path = profile / "security" / f"ipcontroller-{CLUSTER_ID}-client.json"
+    assert json.loads(path.read_text())["interface"].startswith("tcp://127.0.0.1")
+    shell.run_line_magic("distrain", f"connect --file {path}")
+    try:
+        shell.run_cell_magic("distrain", "-o res --framework torch", "rank")
+        assert shell.user_ns["res"].values == [0, 1]
+    finally:
+        shell.run_line_magic("distrain", "stop")
