@@ -29,9 +29,11 @@ test: $(STAMP)
 	$(PY) -m ruff check nbdist tests scripts benchmarks
 	$(PY) -m pytest
 
-# Benchmarks: results under build/bench/ (the log-cost one for now; see benchmarks/).
+# Benchmarks: results under build/bench/ (see benchmarks/ and the README's Performance section).
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/log_cost.py
+	$(PY) benchmarks/launchers.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbdist tests scripts benchmarks

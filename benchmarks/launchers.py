@@ -9,7 +9,7 @@ Variants (each with 1 and N workers; repetitions interleaved so machine drift hi
   included), ``distrain-warm``: the second, ``distrain-nolive``: a warm one with
   ``--no-autolog --no-plot`` (the cost of live metrics is warm vs. nolive);
 - ``tf-plain``: N plain Python processes with ``TF_CONFIG`` running Keras ``fit`` under
-  ``MultiWorkerMirroredStrategy``; ``tf-distrain-cold`` / ``tf-distrain-warm``: the same code
+  ``MultiWorkerMirroredStrategy``; ``tf-distrain-cold`` / ``-warm`` / ``-nolive``: the same code
   through ``%%distrain --framework tf``.
 
 Every variant runs ``workload.torch_train`` / ``workload.tf_train``, which stamp the wall clock at
@@ -43,7 +43,7 @@ WARMUP_STEPS = 10
 CHILD_TIMEOUT_S = 600
 
 TORCH_VARIANTS = ("torchrun", "accelerate", "distrain-cold", "distrain-warm", "distrain-nolive")
-TF_VARIANTS = ("tf-plain", "tf-distrain-cold", "tf-distrain-warm")
+TF_VARIANTS = ("tf-plain", "tf-distrain-cold", "tf-distrain-warm", "tf-distrain-nolive")
 BASELINE = {"torch": "torchrun", "tf": "tf-plain"}
 
 
@@ -153,6 +153,10 @@ def targets(med: dict[tuple[str, int], dict[str, float]], n: int) -> list[dict[s
     if tf_warm and tf_plain:
         r = tf_warm["step_ms"] / tf_plain["step_ms"]
         add("TF warm step time / plain TF workers'", r, 1.05, r <= 1.05)
+    tf_nolive = get("tf-distrain-nolive")
+    if tf_warm and tf_nolive:
+        r = tf_warm["step_ms"] / tf_nolive["step_ms"] - 1
+        add("TF live metrics (autolog + panel) step-time cost", r, 0.02, r <= 0.02, "%")
     return out
 
 
@@ -328,9 +332,11 @@ def child_distrain(a: argparse.Namespace, framework: str) -> list[dict[str, Any]
     cell = template.format(here=str(HERE), steps=a.steps, batch=a.batch)
     flags = f"-n {a.n} --framework {framework} -o bench_result"
     prefix = "tf-" if framework == "tf" else ""
-    runs = [("distrain-cold", ""), ("distrain-warm", "")]
-    if framework == "torch":
-        runs.append(("distrain-nolive", " --no-autolog --no-plot"))
+    runs = [
+        ("distrain-cold", ""),
+        ("distrain-warm", ""),
+        ("distrain-nolive", " --no-autolog --no-plot"),
+    ]
     records = []
     try:
         for variant, extra in runs:

@@ -200,7 +200,8 @@ def run_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="S",
         help="stop the job when a rank makes no progress (logged step, backward, Keras batch) "
-        "for S seconds after the first progress of any rank (default 60)",
+        "for S seconds after the first progress of any rank, or, before any progress, when "
+        "every rank sits idle (no CPU) for S seconds (default 60)",
     )
     p.add_argument(
         "--scan",

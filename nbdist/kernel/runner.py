@@ -30,6 +30,7 @@ from nbdist.engine import backends, worker
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.spec import RankSpec
 from nbdist.errors import (
+    ClusterError,
     JobInterrupted,
     JobStalled,
     JobTimeout,
@@ -54,6 +55,8 @@ PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
 KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
 POLL_S = 0.02
 LIVENESS_EVERY_S = 0.25
+CPU_SAMPLE_EVERY_S = 1.0
+IDLE_CPU_SHARE = 0.1  # below 10% of one core, an engine counts as waiting, not working
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 
 
@@ -144,6 +147,28 @@ class _Watch:
 
     killed: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
+    # Before any progress: each rank's engine CPU time at the last sample, and when it was last
+    # seen using the CPU. Every rank idle for the stall limit = they wait on each other.
+    cpu: dict[int, float] = field(default_factory=dict)
+    cpu_at: float = 0.0
+    busy_at: dict[int, float] = field(default_factory=dict)
+
+    def sample_cpu(self, cpu: dict[int, float] | None, now: float) -> None:
+        if cpu is None:
+            return
+        dt = now - self.cpu_at
+        for rank, seconds in cpu.items():
+            if rank not in self.cpu or seconds - self.cpu[rank] > IDLE_CPU_SHARE * dt:
+                self.busy_at[rank] = now
+        self.cpu, self.cpu_at = cpu, now
+
+    def all_idle(self, pending: list[int], now: float, limit: float) -> bool:
+        """No progress yet, and every pending rank has used (almost) no CPU for ``limit`` s."""
+        return (
+            self.first_progress is None
+            and bool(pending)
+            and all(r in self.busy_at and now - self.busy_at[r] > limit for r in pending)
+        )
 
     def start(self, reason: str, now: float) -> None:
         if self.reason is None:
@@ -235,6 +260,8 @@ class Runner:
         if reasons:
             self._notify(f"nbdist: restarting the workers: {reasons[0]}")
             self.cluster.replace_engines()
+            if self.cluster.stale:
+                raise ClusterError(self.cluster.stale)
             self._warm_up(framework)
             prepared = prepare()
         envs = backends.load(framework).rendezvous(hosts, prepared)
@@ -376,10 +403,11 @@ class Runner:
 
         if watch.killed or watch.dead:
             lost = sorted(set(watch.killed) | set(watch.dead))
-            self._notify(
-                f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
-                f"{', '.join(map(str, lost))} had to be killed or died)"
-            )
+            if self.cluster.owned:
+                self._notify(
+                    f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
+                    f"{', '.join(map(str, lost))} had to be killed or died)"
+                )
             hosts_pids = {
                 r: (self.cluster.engines[r].host, self.cluster.engines[r].pid) for r in lost
             }
@@ -393,10 +421,11 @@ class Runner:
         }
         if unhealthy and not (watch.killed or watch.dead):
             rank, why = next(iter(unhealthy.items()))
-            self._notify(
-                f"nbdist: replacing the engines (rank {rank} could not clean up after the "
-                f"failure: {why})"
-            )
+            if self.cluster.owned:
+                self._notify(
+                    f"nbdist: replacing the engines (rank {rank} could not clean up after the "
+                    f"failure: {why})"
+                )
             self.cluster.replace_engines()
         self._drain(ars, stream, [reports.get(s.rank, {}).get("messages", 0) for s in specs])
         summary = live.finish(
@@ -503,6 +532,17 @@ class Runner:
                             },
                         }
                         watch.start("stalled", now - peer_grace)
+                if watch.reason is None and now - watch.cpu_at >= CPU_SAMPLE_EVERY_S:
+                    if watch.first_progress is None:
+                        watch.sample_cpu(self.cluster.cpu_seconds(pending), now)
+                        if watch.all_idle(pending, now, opts.stall):
+                            watch.stalled = {
+                                "ranks": pending,
+                                "steps": list(stream.last_step),
+                                "idle": {r: now - watch.busy_at[r] for r in pending},
+                                "all_idle": True,
+                            }
+                            watch.start("stalled", now - peer_grace)
                 if now >= next_liveness:
                     next_liveness = now + LIVENESS_EVERY_S
                     dead = [r for r in self.cluster.dead(pending) if r not in watch.dead]
@@ -607,6 +647,15 @@ def _states(ars: list[Any], watch: _Watch) -> list[str]:
 def _stall_message(stalled: dict[str, Any], limit: float, stopped: list[int], world: int) -> str:
     """Names the stalled ranks that are furthest behind as stuck; the others as waiting."""
     steps = stalled["steps"]
+    if stalled.get("all_idle"):
+        ranks = ", ".join(map(str, stalled["ranks"]))
+        return (
+            f"no progress for {limit:g} s and every rank sits idle (ranks {ranks}, no CPU use, "
+            "none past its first step): they are waiting on each other, e.g. a collective that "
+            "not every rank reached, mismatched collectives, or a rank blocked on a sleep, a lock "
+            f"or input. Stopped ranks {', '.join(map(str, stopped or range(world)))}. If the cell "
+            "waits on purpose (a download), allow longer with --stall S."
+        )
 
     def at(rank: int) -> str:
         return "before its first step" if steps[rank] is None else f"at step {steps[rank]}"

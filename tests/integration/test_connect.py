@@ -177,3 +177,25 @@ def test_connection_file(shell, elsewhere):
         assert shell.user_ns["res"].values == [0, 1]
     finally:
         shell.run_line_magic("distrain", "stop")
+
+
+def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
+    """Last in this module: it kills one of the engines."""
+    from nbdist import WorkerDied
+
+    profile, procs = elsewhere
+    shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
+    try:
+        victim = next(e for e in magics.cluster.engines if e.address == "127.0.0.3")
+        cell = (
+            f"import os, time\nif rank == {victim.rank}:\n    os.kill(os.getpid(), 9)\n"
+            "time.sleep(60)"
+        )
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match=f"rank {victim.rank}"):
+            shell.run_cell_magic("distrain", "--framework torch", cell)
+        assert time.monotonic() - start < 30
+        with pytest.raises(ClusterError, match="Restart them where they were started"):
+            shell.run_cell_magic("distrain", "--framework torch", "x = 1")
+    finally:
+        shell.run_line_magic("distrain", "stop")

@@ -204,6 +204,23 @@ def test_rank_1_raises_at_step_50(ready, magics):
     assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
 
 
+def test_even_ranks_of_four_raise(ready, magics):
+    hook = "if rank % 2 == 0 and epoch * len(loader) + step == 5: raise ValueError('even')"
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            ready.run_cell_magic("distrain", "-n 4", train_cell(epochs=100, hook=hook))
+        elapsed = time.monotonic() - start
+        assert info.value.ranks == [0, 2]
+        assert str(info.value).startswith("ranks 0, 2 (host ")
+        _engines_idle(magics, within=10)
+        ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+        assert len(ready.user_ns["res"].values) == 4
+    finally:
+        ready.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
+    assert elapsed < 10 + 10  # includes resizing the cluster to 4 workers
+
+
 def test_all_ranks_fail_alike_shown_once(ready):
     with pytest.raises(WorkerError) as info:
         ready.run_cell_magic("distrain", "", "x = torch.ones(1)\nraise KeyError('missing')\n")
@@ -381,6 +398,29 @@ def test_stalled_rank_is_named_with_its_step(ready, magics):
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
     assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
+
+
+def test_ranks_waiting_on_each_other_before_any_step_are_stopped(ready, magics):
+    from nbdist import JobStalled
+
+    cell = "import time\nif rank == 1:\n    time.sleep(3600)\ndist.barrier()\n"
+    start = time.monotonic()
+    with pytest.raises(JobStalled) as info:
+        ready.run_cell_magic("distrain", "--stall 3 --framework torch", cell)
+    assert time.monotonic() - start < 3 + 15
+    assert str(info.value).startswith(
+        "no progress for 3 s and every rank sits idle (ranks 0, 1, no CPU use, none past its "
+        "first step): they are waiting on each other"
+    )
+    _engines_idle(magics, within=5)
+    ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))
+    assert ready.user_ns["res"].values[0][1] < ready.user_ns["res"].values[0][0]
+
+
+def test_busy_ranks_without_progress_are_not_stalled(ready):
+    cell = "import time\nt = time.time()\nwhile time.time() - t < 5:\n    sum(range(1000))\nrank"
+    ready.run_cell_magic("distrain", "--stall 2 -o res --framework torch", cell)
+    assert ready.user_ns["res"].values == [0, 1]
 
 
 def test_rank_0_alone_fails(ready):
