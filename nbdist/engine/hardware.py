@@ -84,4 +84,19 @@ def engine_info(peer: str | None = None) -> dict[str, object]:
         "gpus": visible_gpus(),
         "cpus": usable_cpus(),
         "address": own_address,
+        "addresses": host_addresses(),
     }
+
+
+def host_addresses() -> list[str]:
+    """This host's non-loopback IPv4 addresses (a fallback when the route says loopback)."""
+    import ipaddress
+
+    import psutil
+
+    out = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                out.append(a.address)
+    return out

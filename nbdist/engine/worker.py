@@ -31,7 +31,7 @@ from nbdist.engine.metrics import Recorder
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import engine_state
 
-__all__ = ["engine_info", "pin_gpu", "prepare", "run_rank", "warm_up"]
+__all__ = ["engine_info", "pin_gpu", "prepare", "run_rank", "set_address", "warm_up"]
 
 
 def pin_gpu(gpu: str | None) -> None:
@@ -40,6 +40,13 @@ def pin_gpu(gpu: str | None) -> None:
     state.gpu = gpu
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
+def set_address(address: str) -> None:
+    """The address other hosts reach this engine at, as the notebook settled it."""
+    from nbdist.engine import hardware
+
+    hardware.own_address = address
 
 
 def warm_up(framework: str, *, local_world_size: int, cpus: int) -> float:

@@ -83,6 +83,15 @@ class EngineInfo:
     local_world_size: int
 
 
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def _host_key(address: str) -> tuple[Any, ...]:
     """Sort hosts by address (numerically for IPv4), so ranks are contiguous per host."""
     parts = address.split(".")
@@ -162,8 +171,8 @@ class LocalCluster:
             n=n,
             controller_ip=LOOPBACK,
             # The hub registers an engine at its first heartbeat: with the default 3 s period,
-            # engines wait ~4 s idle before they are usable. 0.5 s (20 misses = 10 s before an
-            # engine counts as dead, as with the default) brings a cold start from ~7 s to ~3 s.
+            # engines wait ~4 s idle before they are usable. 0.5 s brings a cold start from ~7 s
+            # to ~3 s; 20 misses: a silent engine counts as dead after 10 s (default 30 s).
             controller_args=[
                 f"--HeartMonitor.period={HEARTBEAT_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
@@ -325,7 +334,19 @@ class LocalCluster:
         self.owned, self.source = False, f"a connected ipyparallel cluster ({where})"
         self.stale = None
         self._forget_engines()
-        self._learn_engines()
+        try:
+            self._learn_engines(timeout=timeout)
+        except BaseException as e:  # an interrupt too: leave no half-connected state behind
+            self._client, self.owned, self.stale = None, True, None
+            self._forget_engines()
+            client.close()
+            if not isinstance(e, Exception):
+                raise
+            raise ClusterError(
+                f"connected to {where}, but its engines did not answer within {timeout:.0f} s "
+                f"({type(e).__name__}: {e}). Are they busy, or is nbdist missing from their "
+                "Python environment (pip install nbdist there)?"
+            ) from None
 
     def _not_ours(self) -> str:
         return (
@@ -411,13 +432,26 @@ class LocalCluster:
                 f"(one worker per GPU); use -n {len(gpus)}."
             )
 
-    def _learn_engines(self) -> None:
+    def _learn_engines(self, timeout: float | None = None) -> None:
         ids = sorted(self._client.ids)
         peer = LOOPBACK if self.owned else self._controller_host()
-        infos = self._client[ids].apply_sync(worker.engine_info, peer)
+        infos = self._client[ids].apply_async(worker.engine_info, peer).get(timeout=timeout)
         if self.owned:
             for info in infos:
                 info["address"] = LOOPBACK
+        elif len({info["host"] for info in infos}) > 1:
+            # Several hosts, but the controller was reached over loopback (it listens on every
+            # interface and this notebook runs on its host): an engine's route to "127.0.0.1"
+            # is its own loopback. Use the host's own non-loopback address instead.
+            for info in infos:
+                if _is_loopback(info["address"]):
+                    if not info["addresses"]:
+                        raise ClusterError(
+                            f"engine on {info['host']} has no address other hosts can reach; "
+                            "set NBDIST_ADDRESS in its environment (ipcluster_config.py: "
+                            "c.EngineLauncher.environment) and %distrain connect again."
+                        )
+                    info["address"] = info["addresses"][0]
         # A host is the address the other hosts reach its engines at: ranks are grouped by it
         # (LOCAL_RANK, GPU pinning), and rank 0's is MASTER_ADDR.
         order = sorted(range(len(ids)), key=lambda i: (_host_key(infos[i]["address"]), ids[i]))
@@ -452,6 +486,8 @@ class LocalCluster:
                 )
             )
         self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
+        if not self.owned:
+            self._client[ids].map_sync(worker.set_address, [e.address for e in engines])
         self.engines = engines
         if self.owned:
             self._write_pidfile()
@@ -525,10 +561,18 @@ class LocalCluster:
         out = {}
         for r in ranks:
             try:
-                t = psutil.Process(self.engines[r].pid).cpu_times()
+                proc = psutil.Process(self.engines[r].pid)
+                procs = [proc, *proc.children(recursive=True)]  # subprocesses, loader workers
             except psutil.Error:
                 continue
-            out[r] = t.user + t.system
+            total = 0.0
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                except psutil.Error:
+                    continue
+                total += t.user + t.system
+            out[r] = total
         return out
 
     def busy(self) -> dict[int, int]:

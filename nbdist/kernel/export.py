@@ -30,6 +30,7 @@ class LastCell:
     autolog: bool
     push: dict[str, Any] = field(default_factory=dict)
     strategy: str | None = None
+    backend: str | None = None
 
 
 _LOG = '''
@@ -69,23 +70,30 @@ _TORCH_SETUP = """
 import os
 import sys
 
+# As nbdist did: each process sees only its own GPU, as cuda:0 (before torch starts CUDA), so
+# a cell written for nbdist ("cuda:0", device_ids=[0]) puts every rank on its own GPU.
+local_rank = int(os.environ["LOCAL_RANK"])
+local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+_gpus = _gpus.split(",") if _gpus else [str(i) for i in range(local_world_size)]
+os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[local_rank] if local_rank < len(_gpus) else ""
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
 # init_process_group("...") with no init_method reads them (the env:// rendezvous).
-local_rank = int(os.environ["LOCAL_RANK"])
-local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
 if torch.cuda.is_available():
-    torch.cuda.set_device(local_rank)  # one GPU per process
-    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(0)  # this process's own GPU
+    device = torch.device("cuda", 0)
     backend = "nccl"
 else:
     device = torch.device("cpu")
     backend = "gloo"
     # Processes on one machine share its cores: split them, as nbdist did.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, _cores // local_world_size))
 """
 
 _TORCH_INIT = """
@@ -117,7 +125,8 @@ rank = tf_config["task"]["index"]
 world_size = len(tf_config["cluster"]["worker"])
 local_rank, local_world_size = rank, world_size  # one machine; adjust for several
 is_main = rank == 0
-threads = max(1, len(os.sched_getaffinity(0)) // local_world_size)
+_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+threads = max(1, _cores // local_world_size)
 tf.config.threading.set_intra_op_parallelism_threads(threads)
 tf.config.threading.set_inter_op_parallelism_threads(threads)
 
@@ -158,13 +167,28 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r}), "r
 """
 
 
+def _calls_log(tree: ast.AST) -> bool:
+    """``log(...)`` or ``nbdist.log(...)``; not ``torch.log`` or ``np.log``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "log":
+                return True
+            if isinstance(f, ast.Attribute) and f.attr == "log":
+                if isinstance(f.value, ast.Name) and f.value.id == "nbdist":
+                    return True
+    return False
+
+
 def export_script(last: LastCell, path: str | Path) -> list[Path]:
     """Write the script (and the pushed data beside it); returns the files written."""
     path = Path(path)
     written = [path]
     tree = ast.parse(last.source)
-    used = {name for name in ("init_process_group", "destroy_process_group", "log")
+    used = {name for name in ("init_process_group", "destroy_process_group")
             if any(calls(tree, name))}  # fmt: skip
+    if _calls_log(tree):
+        used.add("log")
     explicit_log = "log" in used
     n = last.world_size
     if last.framework == "torch":
@@ -173,7 +197,8 @@ def export_script(last: LastCell, path: str | Path) -> list[Path]:
         if "init_process_group" in used:
             parts.append(_TORCH_OWN_INIT)
         else:
-            parts.append(_TORCH_INIT.format(backend="backend"))
+            chosen = repr(last.backend) if last.backend else "backend"
+            parts.append(_TORCH_INIT.format(backend=chosen))
         parts.append(_LOG)
         if last.autolog and not explicit_log:
             parts.append(_TORCH_AUTOLOG)

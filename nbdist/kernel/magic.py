@@ -201,6 +201,9 @@ class DistrainMagics(Magics):
             )
         if not path.endswith(".py"):
             raise UsageError(f"%distrain export: {path!r} should be a .py file, e.g. train.py")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"%distrain export: no folder {folder}; create it first.")
         written = export_script(last, path)
         extra = f" (and {written[1].name}, the --push data)" if len(written) > 1 else ""
         print(f"nbdist: wrote {written[0]}{extra}; how to run it is at the top of the file.")

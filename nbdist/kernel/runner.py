@@ -299,11 +299,6 @@ class Runner:
             self.report_findings(source, opts.workers or self.cluster.size or None)
         self.cluster.preload = framework  # engines started from here on import it as they start
         self.cluster.ensure(opts.workers)
-        if opts.ranks is not None and max(opts.ranks) >= self.cluster.size:
-            raise UsageError(
-                f"%%distrain: --ranks {max(opts.ranks)} does not exist; ranks go from 0 to "
-                f"{self.cluster.size - 1}."
-            )
         self._check_backend(opts, framework)
         backend_options = {
             k: v
@@ -318,6 +313,11 @@ class Runner:
         if opts.workers is not None:  # a connected cluster may have more engines than asked for
             available = min(opts.workers, available)
         world = backends.load(framework).workers_used(backend_options, available)
+        if opts.ranks is not None and max(opts.ranks) >= world:
+            raise UsageError(
+                f"%%distrain: --ranks {max(opts.ranks)} does not exist; ranks go from 0 to "
+                f"{world - 1}."
+            )
         self.last = LastCell(
             source=source,
             framework=framework,
@@ -325,6 +325,7 @@ class Runner:
             autolog=opts.autolog,
             push=push,
             strategy=opts.strategy,
+            backend=opts.backend,
         )
         self._warm_up(framework)
         envs = self._rendezvous(framework, opts, world, backend_options)
@@ -445,10 +446,12 @@ class Runner:
             where = ", ".join(
                 f"rank {r} (host {hosts_pids[r][0]}, pid {hosts_pids[r][1]})" for r in watch.dead
             )
-            raise WorkerDied(
-                f"{where} died during the job; the engines were replaced and the next "
-                "%%distrain will run on fresh workers."
+            after = (
+                "the engines were replaced and the next %%distrain will run on fresh workers."
+                if self.cluster.owned
+                else self.cluster.stale or "restart the connected cluster's engines."
             )
+            raise WorkerDied(f"{where} died during the job; {after}")
         if any(f.exc_type != "KeyboardInterrupt" for f in failures):
             raise WorkerError(failures, stopped=stopped)
         if watch.reason == "timeout":
@@ -463,7 +466,11 @@ class Runner:
             raise JobInterrupted(
                 f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
                 f"{', '.join(map(str, stopped or range(len(specs))))}. "
-                "The cluster is ready for the next %%distrain."
+                + (
+                    self.cluster.stale
+                    if self.cluster.stale
+                    else "The cluster is ready for the next %%distrain."
+                )
             )
 
         ranks = tuple(

@@ -75,3 +75,20 @@ def test_export_of_a_tf_cell_explains_tf_config(shell, tmp_path):
     ) in text
     assert "strategy = tf.distribute.MultiWorkerMirroredStrategy(" in text
     compile(text, str(script), "exec")
+
+
+def test_export_keeps_the_backend_and_tells_log_from_torch_log(tmp_path):
+    from nbdist.kernel.export import LastCell, export_script
+
+    cell = "loss = torch.log(torch.ones(1)).sum()\nloss.backward()\n"
+    last = LastCell(source=cell, framework="torch", world_size=2, autolog=True, backend="gloo")
+    (script,) = export_script(last, tmp_path / "t.py")
+    text = script.read_text()
+    assert "dist.init_process_group('gloo')" in text
+    assert "torch.Tensor.backward = _logged_backward" in text  # torch.log is not nbdist's log
+    (script,) = export_script(
+        LastCell(source="log(loss=1.0)\n", framework="torch", world_size=2, autolog=True),
+        tmp_path / "u.py",
+    )
+    assert "_logged_backward" not in script.read_text()
+    compile(text, "t.py", "exec")

@@ -89,6 +89,14 @@ def prepare(
             "restart": f"TensorFlow in these workers already ran {slot['mode']} collectives and "
             f"cannot switch to {mode} in the same process"
         }
+    configured = slot.get("tf_config")
+    if mode == "multiworker" and configured is not None:
+        workers = len(json.loads(configured)["cluster"]["worker"])
+        if workers != world_size:
+            return {
+                "restart": f"TensorFlow in these workers is set up for {workers} workers and "
+                f"cannot join a job of {world_size} in the same process"
+            }
     if "port" not in slot:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((hardware.own_address or "127.0.0.1", 0))
