@@ -161,3 +161,31 @@ def test_keras_autolog_per_batch_loss(tf_ready):
     rank0 = [p["loss"] for p in res.history if p["rank"] == 0]
     assert sum(rank0[:8]) / 8 == pytest.approx(epoch_losses[0], rel=1e-4)
     assert sum(rank0[8:]) / 8 == pytest.approx(epoch_losses[1], rel=1e-4)
+
+
+def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
+    import os
+    import signal
+    import threading
+
+    from nbdist import JobInterrupted
+
+    def interrupt_when_training():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            view = magics.runner.view
+            if view is not None and view.agg.world and any(view.agg.samples):
+                interrupted.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    interrupted: list[float] = []
+    thread = threading.Thread(target=interrupt_when_training)
+    thread.start()
+    with pytest.raises(JobInterrupted, match="stopped ranks 0, 1"):
+        tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=100000))
+    thread.join()
+    assert time.monotonic() - interrupted[0] < 5  # measured 0.5-0.9 s here
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    _assert_trained_in_sync(tf_ready.user_ns["res"].values)
