@@ -242,7 +242,10 @@ _STOP_JS = (
     "var h={};var x=document.cookie.match(/_xsrf=([^;]+)/);"
     "if(x){h['X-XSRFToken']=decodeURIComponent(x[1]);}"
     "if(cfg.token){h['Authorization']='token '+cfg.token;}"
-    "fetch((cfg.baseUrl||'/')+'PATH',{method:'POST',credentials:'same-origin',headers:h});"
+    "var b=this;var fail=function(why){b.disabled=false;"
+    "b.textContent='Stop failed ('+why+'): use Kernel > Interrupt';};"
+    "fetch((cfg.baseUrl||'/')+'PATH',{method:'POST',credentials:'same-origin',headers:h})"
+    ".then(function(r){if(!r.ok){fail('HTTP '+r.status);}},function(e){fail(String(e));});"
 )
 _BUTTON_STYLE = (
     "background:#d32f2f;color:white;border:none;border-radius:3px;padding:4px 14px;"

@@ -287,6 +287,7 @@ class Runner:
         self, opts: RunOptions, source: str, user_ns: dict[str, Any]
     ) -> DistrainResult | ScanResult | None:
         """Run ``source`` as one job on the cluster; see the magic's docstring."""
+        self.view = None
         tree = parse_cell(source)
         if opts.check_only:
             self.report_findings(source, opts.workers, quiet=False)

@@ -142,7 +142,12 @@ def test_panel_updates_and_stop_ends_the_run(lab):
 
         clicked = time.monotonic()
         page.get_by_role("button", name="Stop").click()
-        page.get_by_text("stopped ranks 0, 1").wait_for(timeout=30_000)
+        try:
+            page.get_by_text("stopped ranks 0, 1").wait_for(timeout=30_000)
+        except Exception:
+            page.screenshot(path=str(SHOTS / "2_stop_timed_out.png"))
+            button = page.locator(".jp-OutputArea button").last.inner_text()
+            pytest.fail(f"no 'stopped ranks' 30 s after Stop; the button says {button!r}")
         stopped_after = time.monotonic() - clicked
         page.get_by_text("nbdist: final loss").wait_for(timeout=30_000)
         assert page.locator(".jp-OutputArea .jp-RenderedImage img").count() >= 1
