@@ -452,6 +452,12 @@ class Runner:
                 if self.cluster.owned
                 else self.cluster.stale or "restart the connected cluster's engines."
             )
+            if watch.reason == "interrupt":  # the process exited on the interrupt itself
+                raise JobInterrupted(
+                    f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
+                    f"{', '.join(map(str, range(len(specs))))}; {where} exited on the interrupt, "
+                    f"so {after}"
+                )
             raise WorkerDied(f"{where} died during the job; {after}")
         if any(f.exc_type != "KeyboardInterrupt" for f in failures):
             raise WorkerError(failures, stopped=stopped)

@@ -102,12 +102,15 @@ def test_soak_25_runs_no_growth(warm, magics):
 
 
 def test_successful_runs_open_nothing(warm, magics):
+    for _ in range(3):  # one-time lazy opens (libraries, caches) happen in the first runs
+        warm.run_cell_magic("distrain", "--no-plot", OK_CELL)
     before, ports_before = _snapshot(magics), _listening()
     for _ in range(10):
         warm.run_cell_magic("distrain", "--no-plot", OK_CELL)
     after, ports_after = _snapshot(magics), _listening()
     assert ports_after == ports_before
-    assert after["engine_open_files"] <= before["engine_open_files"] + 2  # noise: lazy opens
+    # A leak grows with every run (10 runs: 10+ descriptors); allow a couple of stragglers.
+    assert after["engine_open_files"] <= before["engine_open_files"] + 2
 
 
 def test_everything_listens_on_loopback_only(warm):
