@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import socket
@@ -59,6 +60,14 @@ def reachable_address(peer: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address or ``localhost``) is this host's loopback."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def interface_of(address: str) -> str | None:
     """Name of the network interface holding ``address`` (for ``GLOO_SOCKET_IFNAME``)."""
     import psutil
@@ -90,13 +99,11 @@ def engine_info(peer: str | None = None) -> dict[str, object]:
 
 def host_addresses() -> list[str]:
     """This host's non-loopback IPv4 addresses (a fallback when the route says loopback)."""
-    import ipaddress
-
     import psutil
 
     out = []
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:
-            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+            if a.family == socket.AF_INET and not is_loopback(a.address):
                 out.append(a.address)
     return out

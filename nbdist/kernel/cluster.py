@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import worker
-from nbdist.engine.hardware import usable_cpus, visible_gpus
+from nbdist.engine.hardware import is_loopback, usable_cpus, visible_gpus
 from nbdist.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ DEFAULT_CPU_WORKERS = 2
 ENGINE_START_TIMEOUT_S = 120
 HEARTBEAT_MS = 500
 LOOPBACK = "127.0.0.1"
+LOCAL_SOURCE = f"a local ipyparallel cluster ({LOOPBACK})"
 
 
 def default_workers() -> int:
@@ -83,15 +84,6 @@ class EngineInfo:
     local_world_size: int
 
 
-def _is_loopback(address: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 def _host_key(address: str) -> tuple[Any, ...]:
     """Sort hosts by address (numerically for IPv4), so ranks are contiguous per host."""
     parts = address.split(".")
@@ -130,7 +122,7 @@ class LocalCluster:
         self.preload: str | None = None
         # False for a cluster started elsewhere (%distrain connect): nbdist never stops it.
         self.owned = True
-        self.source = f"a local ipyparallel cluster ({LOOPBACK})"
+        self.source = LOCAL_SOURCE
         self.stale: str | None = None  # why a connected cluster cannot run jobs any more
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -149,7 +141,7 @@ class LocalCluster:
 
         if self.running:
             return
-        self.owned, self.source = True, f"a local ipyparallel cluster ({LOOPBACK})"
+        self.owned, self.source = True, LOCAL_SOURCE
         self.stale = None
         n = n or default_workers()
         self._check_gpus(n)
@@ -380,14 +372,17 @@ class LocalCluster:
             self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
             self.replace_engines(n)
 
-    def replace_engines(self, n: int | None = None) -> None:
-        """Stop every engine and start ``n`` fresh ones under the same controller."""
+    def replace_engines(self, n: int | None = None, *, notice: str | None = None) -> None:
+        """Stop every engine and start ``n`` fresh ones under the same controller. ``notice`` is
+        the line to show first; a connected cluster is not ours to restart and says so instead."""
         if not self.owned:
             # Not ours to restart: say so now, and refuse further runs until reconnected (the
             # caller is reporting the failure that made the restart necessary).
             self.stale = self._not_ours()
             self._notify(f"nbdist: {self.stale}")
             return
+        if notice:
+            self._notify(notice)
         n = n or self.size
         self._check_gpus(n)
         self._shutdown_engines(self._client, [e.pid for e in self.engines])
@@ -444,7 +439,7 @@ class LocalCluster:
             # interface and this notebook runs on its host): an engine's route to "127.0.0.1"
             # is its own loopback. Use the host's own non-loopback address instead.
             for info in infos:
-                if _is_loopback(info["address"]):
+                if is_loopback(info["address"]):
                     if not info["addresses"]:
                         raise ClusterError(
                             f"engine on {info['host']} has no address other hosts can reach; "
@@ -584,12 +579,19 @@ class LocalCluster:
             for e in self.engines
         }
 
+    def _by_host(self) -> dict[str, list[EngineInfo]]:
+        """Engines per host address, in rank order."""
+        hosts: dict[str, list[EngineInfo]] = {}
+        for e in self.engines:
+            hosts.setdefault(e.address, []).append(e)
+        return hosts
+
     def connected_text(self) -> str:
         """One line after ``%distrain connect``: engines per host address."""
-        hosts: dict[str, int] = {}
-        for e in self.engines:
-            hosts[e.address] = hosts.get(e.address, 0) + 1
-        per_host = ", ".join(f"{a}: {n} engine{'s' if n > 1 else ''}" for a, n in hosts.items())
+        hosts = self._by_host()
+        per_host = ", ".join(
+            f"{a}: {len(es)} engine{'s' if len(es) > 1 else ''}" for a, es in hosts.items()
+        )
         return (
             f"nbdist: connected to {self.size} engines on {len(hosts)} "
             f"host{'s' if len(hosts) > 1 else ''} ({per_host}); %distrain status shows them"
@@ -599,9 +601,7 @@ class LocalCluster:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
         busy = self.busy()
-        hosts: dict[str, list[EngineInfo]] = {}
-        for e in self.engines:
-            hosts.setdefault(e.address, []).append(e)
+        hosts = self._by_host()
         lines = [
             f"nbdist: {self.size} workers on {len(hosts)} host{'s' if len(hosts) > 1 else ''}, "
             f"{self.source}"

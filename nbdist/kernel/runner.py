@@ -258,8 +258,7 @@ class Runner:
         prepared = prepare()
         reasons = sorted({p["restart"] for p in prepared if p.get("restart")})
         if reasons:
-            self._notify(f"nbdist: restarting the workers: {reasons[0]}")
-            self.cluster.replace_engines()
+            self.cluster.replace_engines(notice=f"nbdist: restarting the workers: {reasons[0]}")
             if self.cluster.stale:
                 raise ClusterError(self.cluster.stale)
             self._warm_up(framework)
@@ -405,15 +404,14 @@ class Runner:
 
         if watch.killed or watch.dead:
             lost = sorted(set(watch.killed) | set(watch.dead))
-            if self.cluster.owned:
-                self._notify(
-                    f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
-                    f"{', '.join(map(str, lost))} had to be killed or died)"
-                )
+            notice = (
+                f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
+                f"{', '.join(map(str, lost))} had to be killed or died)"
+            )
             hosts_pids = {
                 r: (self.cluster.engines[r].host, self.cluster.engines[r].pid) for r in lost
             }
-            self.cluster.replace_engines()
+            self.cluster.replace_engines(notice=notice)
         else:
             hosts_pids = {}
 
@@ -423,12 +421,10 @@ class Runner:
         }
         if unhealthy and not (watch.killed or watch.dead):
             rank, why = next(iter(unhealthy.items()))
-            if self.cluster.owned:
-                self._notify(
-                    f"nbdist: replacing the engines (rank {rank} could not clean up after the "
-                    f"failure: {why})"
-                )
-            self.cluster.replace_engines()
+            self.cluster.replace_engines(
+                notice=f"nbdist: replacing the engines (rank {rank} could not clean up after the "
+                f"failure: {why})"
+            )
         self._drain(ars, stream, [reports.get(s.rank, {}).get("messages", 0) for s in specs])
         summary = live.finish(
             stream.history,
@@ -546,17 +542,20 @@ class Runner:
                             },
                         }
                         watch.start("stalled", now - peer_grace)
-                if watch.reason is None and now - watch.cpu_at >= CPU_SAMPLE_EVERY_S:
-                    if watch.first_progress is None:
-                        watch.sample_cpu(self.cluster.cpu_seconds(pending), now)
-                        if watch.all_idle(pending, now, opts.stall):
-                            watch.stalled = {
-                                "ranks": pending,
-                                "steps": list(stream.last_step),
-                                "idle": {r: now - watch.busy_at[r] for r in pending},
-                                "all_idle": True,
-                            }
-                            watch.start("stalled", now - peer_grace)
+                if (
+                    watch.reason is None
+                    and watch.first_progress is None
+                    and now - watch.cpu_at >= CPU_SAMPLE_EVERY_S
+                ):
+                    watch.sample_cpu(self.cluster.cpu_seconds(pending), now)
+                    if watch.all_idle(pending, now, opts.stall):
+                        watch.stalled = {
+                            "ranks": pending,
+                            "steps": list(stream.last_step),
+                            "idle": {r: now - watch.busy_at[r] for r in pending},
+                            "all_idle": True,
+                        }
+                        watch.start("stalled", now - peer_grace)
                 if now >= next_liveness:
                     next_liveness = now + LIVENESS_EVERY_S
                     dead = [r for r in self.cluster.dead(pending) if r not in watch.dead]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import ipaddress
 import logging
 import os
 import socket
@@ -131,13 +130,6 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return addr == "localhost"
-
-
 @contextmanager
 def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     import torch
@@ -151,7 +143,7 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
         if dist.is_initialized():
             _teardown(slot)
         if "GLOO_SOCKET_IFNAME" not in os.environ:
-            if _is_loopback(addr):
+            if hardware.is_loopback(addr):
                 # A local job: keep gloo's sockets on loopback, unreachable from other hosts.
                 iface = _loopback_interface()
             else:
