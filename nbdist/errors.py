@@ -64,10 +64,19 @@ class RankFailure:
 
 
 class DistrainError(Exception):
-    """Base class of the errors nbdist raises in the notebook."""
+    """Base class of the errors nbdist raises in the notebook.
+
+    ``state`` is the closing line the session adds: what became of the workers' variables.
+    """
+
+    state: str = ""
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n{self.state}" if self.state else base
 
     def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class ClusterError(DistrainError):
@@ -100,6 +109,11 @@ _PEER_LOST = re.compile(
 )
 
 
+def lost_peer(failure: RankFailure) -> bool:
+    """Whether the rank failed because a peer was gone (its collective lost the connection)."""
+    return bool(_PEER_LOST.search(f"{failure.exc_type}: {failure.message}"))
+
+
 def classify(failures: list[RankFailure]) -> list[RankFailure]:
     """Mark the failures that only followed another rank's failure as collateral.
 
@@ -112,10 +126,7 @@ def classify(failures: list[RankFailure]) -> list[RankFailure]:
     first = ordered[0]
     out = []
     for f in failures:
-        lost_peer = f.exc_type == "KeyboardInterrupt" or bool(
-            _PEER_LOST.search(f"{f.exc_type}: {f.message}")
-        )
-        collateral = f is not first and lost_peer
+        collateral = f is not first and (f.exc_type == "KeyboardInterrupt" or lost_peer(f))
         out.append(replace(f, collateral=collateral))
     return out
 
@@ -173,5 +184,5 @@ class WorkerError(DistrainError):
         others = sorted(set(collateral) | set(self.stopped))
         if others:
             lines.append(f"{_ranks_text(others)} stopped because a peer failed.")
-        lines.append("Fix the cell and run it again: the cluster is ready for the next %%distrain.")
+        lines.append(self.state or "Fix the cell and run it again.")
         return lines

@@ -27,3 +27,4 @@ class RankSpec:
     push: dict[str, Any] = field(default_factory=dict)
     pull: tuple[str, ...] = ()
     autolog: bool = True
+    fresh: bool = False  # run in a throwaway namespace instead of the session's

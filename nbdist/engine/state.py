@@ -20,6 +20,9 @@ class EngineState:
     gpu: str | None = None
     slots: dict[str, dict[str, Any]] = field(default_factory=dict)
     recorder: Any = None  # the running cell's metrics Recorder, None between runs
+    # The workers' variables when the engine has no IPython shell (see nbdist.engine.namespace).
+    namespace: dict[str, Any] = field(default_factory=lambda: {"__name__": "__main__"})
+    figure_formats: bool = False  # matplotlib figures display as PNG from this engine
 
     def slot(self, backend: str) -> dict[str, Any]:
         """The mutable dict a backend keeps its own state in."""

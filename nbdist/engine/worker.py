@@ -1,16 +1,21 @@
 """The entry points the notebook calls on each engine.
 
 ``run_rank`` runs one rank of a ``%%distrain`` cell: it applies the rank's environment in a
-context that restores it, lets the backend make the distributed runtime ready, runs the cell
-with the context names injected, and always leaves the engine ready for the next run. It never
-raises: a failure comes back as data (rank, host, exception, cell line, traceback) so that the
-notebook can merge the reports of all ranks into one error.
+context that restores it, lets the backend make the distributed runtime ready, and runs the cell
+in the engine's persistent namespace (:mod:`nbdist.engine.namespace`) with the context names
+set. It never raises: a failure comes back as data (rank, host, exception, cell line, traceback)
+so that the notebook can merge the reports of all ranks into one error.
+
+After a failure the notebook decides what becomes of the session (see
+``nbdist.kernel.failures``): it asks every rank whether the group still works
+(:func:`check_group`), and when it does not, has every rank drop its variables and its part of
+the group (:func:`drop_session`), in that order: destroying a gloo group under a live DDP model
+can deadlock.
 """
 
 from __future__ import annotations
 
 import ast
-import gc
 import linecache
 import os
 import pickle
@@ -28,10 +33,20 @@ from nbdist.engine import backends
 from nbdist.engine.env import patch_environment
 from nbdist.engine.hardware import engine_info
 from nbdist.engine.metrics import Recorder
+from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import engine_state
 
-__all__ = ["engine_info", "pin_gpu", "prepare", "run_rank", "set_address", "warm_up"]
+__all__ = [
+    "check_group",
+    "drop_session",
+    "engine_info",
+    "pin_gpu",
+    "prepare",
+    "run_rank",
+    "set_address",
+    "warm_up",
+]
 
 
 def pin_gpu(gpu: str | None) -> None:
@@ -143,7 +158,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     backend = backends.load(spec.framework)
     host = socket.gethostname()
     start = time.perf_counter()
-    namespace: dict[str, Any] = {"__name__": "__main__"}
+    namespace = {"__name__": "__main__"} if spec.fresh else session_namespace()
     report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
     failure = None
     recorder = Recorder(_publisher(), autolog=spec.autolog)
@@ -161,11 +176,11 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
                 is_main=spec.rank == 0,
             )
             namespace.update(spec.push)
+            _figures_as_png(state)
             value = _run_cell(spec.source, spec.filename, namespace)
             report["value"] = value if _picklable(value) else None
-            report["value_repr"] = None if value is None else repr(value)
-            if spec.rank == 0:
-                report["pulled"] = _pull(namespace, spec.pull)
+            report["value_repr"] = None if value is None else _repr(value)
+            report["pulled"] = _pull(namespace, spec.pull)
             report["ok"] = True
             del value
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
@@ -174,19 +189,63 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         with _sigint_ignored():
             state.recorder = None
             recorder.close()
-            namespace.clear()
-            if failure is not None:
-                gc.collect()
-                try:
-                    backend.recover(state)
-                except Exception as exc:  # reported: the notebook then replaces the engines
-                    report["recover_error"] = f"{type(exc).__name__}: {exc}"
+            if spec.fresh:
+                namespace.clear()
             sys.stdout.flush()
             sys.stderr.flush()
     report["failure"] = failure
+    report["names"] = [] if spec.fresh else sorted(user_variables(namespace))
     report["messages"] = recorder.messages
     report["wall"] = time.perf_counter() - start
     return report
+
+
+def check_group(framework: str, *, timeout: float) -> str | None:
+    """Whether this rank's part of the group still works after a failed cell: None if it does,
+    else why not. Returns within about ``timeout`` seconds."""
+    return backends.load(framework).healthy(engine_state(), timeout=timeout)
+
+
+def drop_session(framework: str) -> list[str]:
+    """Drop the cells' variables, then this rank's part of the group; returns the names dropped.
+
+    Destroying the group closes this rank's connections, which frees peers still blocked in a
+    collective with it within about a second (SIGINT does not).
+    """
+    with _sigint_ignored():
+        dropped = clear(session_namespace())
+        free_memory()
+        backends.load(framework).recover(engine_state())
+    return dropped
+
+
+def _figures_as_png(state: Any) -> None:
+    """``display(fig)`` of a matplotlib figure sends a PNG, as in a notebook (once per engine;
+    matplotlib is not imported for it)."""
+    if state.figure_formats or "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def png(fig: Any) -> bytes:
+        from IPython.core.pylabtools import print_figure
+
+        return print_figure(fig, "png", bbox_inches="tight")
+
+    shell.display_formatter.formatters["image/png"].for_type_by_name(
+        "matplotlib.figure", "Figure", png
+    )
+    state.figure_formats = True
+
+
+def _repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as e:  # a broken __repr__ must not fail the cell that computed the value
+        return f"<{type(value).__name__} object (repr failed: {type(e).__name__})>"
 
 
 def _publisher() -> Any:
@@ -205,7 +264,7 @@ def _pull(namespace: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     for name in names:
         if name not in namespace:
             raise _PullError(
-                f"--pull {name}: the cell defines no variable {name!r} on rank 0; "
+                f"--pull {name}: no variable {name!r} on rank 0; "
                 "check the spelling or assign it in the cell"
             )
         if not _picklable(namespace[name]):

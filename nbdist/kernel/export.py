@@ -1,18 +1,22 @@
-"""``%distrain export train.py``: the last ``%%distrain`` cell as a standalone script.
+"""``%distrain export train.py``: the session's ``%%distrain`` cells as one standalone script.
 
-The script does explicitly what nbdist did around the cell: it sets up the process group (or the
-TensorFlow strategy), defines the names the cell used (``rank``, ``world_size``, ``device``,
-``strategy``, ``log``, ...) and prints metrics to stdout. The cell itself is copied verbatim,
-so the script trains exactly as the notebook did: run it with ``torchrun`` (PyTorch) or with one
+The script does explicitly what nbdist did around the cells: it sets up the process group (or
+the TensorFlow strategy) once, defines the names the cells used (``rank``, ``world_size``,
+``device``, ``strategy``, ``log``, ...) and prints metrics to stdout. The cells that ran since
+the last reset or restart follow in order, verbatim (failed cells are left out; a ``--fresh``
+cell becomes a function of its own, an ``--on`` cell an ``if rank in ...:`` block), so the
+script trains exactly as the session did: run it with ``torchrun`` (PyTorch) or with one
 ``TF_CONFIG`` per worker process (TensorFlow).
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import pickle
 import textwrap
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +25,8 @@ from nbdist.kernel.checks import calls
 
 
 @dataclass(frozen=True)
-class LastCell:
-    """What ``export`` needs from the last ``%%distrain`` run."""
+class CellRecord:
+    """What ``export`` needs from one ``%%distrain`` cell that ran."""
 
     source: str
     framework: str
@@ -31,6 +35,12 @@ class LastCell:
     push: dict[str, Any] = field(default_factory=dict)
     strategy: str | None = None
     backend: str | None = None
+    fresh: bool = False
+    on: tuple[int, ...] | None = None
+
+
+class ExportError(ValueError):
+    """The session cannot be written as one script (the message says why and what to do)."""
 
 
 _LOG = '''
@@ -160,10 +170,15 @@ strategy = tf.distribute.MirroredStrategy()  # every GPU of this machine (CPU:0 
 
 _PUSH = """
 import pickle
+import stat
 
-# The notebook variables the cell was given with --push, saved next to this script.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r}), "rb") as _f:
-    globals().update(pickle.load(_f))
+# The notebook variables the cells were given with --push, saved next to this script. A pickle
+# runs code when loaded: refuse one that another user could have changed.
+_push_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r})
+if os.stat(_push_path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    sys.exit(f"{{_push_path}} is writable by other users; check it, chmod 600 it, run again")
+with open(_push_path, "rb") as _f:
+    _pushed = pickle.load(_f)
 """
 
 
@@ -180,14 +195,52 @@ def _calls_log(tree: ast.AST) -> bool:
     return False
 
 
-def export_script(last: LastCell, path: str | Path) -> list[Path]:
-    """Write the script (and the pushed data beside it); returns the files written."""
+def _cell_code(index: int, cell: CellRecord) -> str:
+    body = textwrap.dedent(cell.source).strip("\n")
+    if cell.push:
+        body = f"globals().update(_pushed[{index}])\n" + body
+    if cell.fresh:
+        # A --fresh cell ran in a namespace of its own: its names stay inside the function.
+        name = f"_fresh_cell_{index}"
+        body = f"def {name}():\n{textwrap.indent(body, '    ')}\n\n\n{name}()"
+    if cell.on is not None:
+        ranks = ", ".join(map(str, cell.on)) + ("," if len(cell.on) == 1 else "")
+        body = f"if rank in ({ranks}):\n{textwrap.indent(body, '    ')}"
+    title = f"# --- cell {index + 1}" + (" (--fresh)" if cell.fresh else "") + " "
+    return title + "-" * (93 - len(title)) + "\n" + body + "\n"
+
+
+def export_script(
+    cells: Sequence[CellRecord], path: str | Path, *, force: bool = False
+) -> list[Path]:
+    """Write the script (and the pushed data beside it); returns the files written.
+
+    Refuses to replace existing files unless ``force``; the pushed data is written readable
+    by the user only.
+    """
+    if not cells:
+        raise ExportError("no %%distrain cell has run since the workers were last reset")
     path = Path(path)
+    last = cells[-1]
+    if len({c.framework for c in cells}) > 1:
+        raise ExportError(
+            "the session ran both torch and TensorFlow cells, which cannot share one script; "
+            "%distrain reset, run the cells of one framework, then export"
+        )
+    data = path.with_name(path.stem + "_push.pkl")
+    pushes = {i: c.push for i, c in enumerate(cells) if c.push}
+    targets = [path, data] if pushes else [path]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not force:
+        raise ExportError(
+            f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; choose "
+            f"another name or add --force to replace {'it' if len(existing) == 1 else 'them'}"
+        )
     written = [path]
-    tree = ast.parse(last.source)
+    trees = [ast.parse(textwrap.dedent(c.source)) for c in cells]
     used = {name for name in ("init_process_group", "destroy_process_group")
-            if any(calls(tree, name))}  # fmt: skip
-    if _calls_log(tree):
+            if any(any(calls(t, name)) for t in trees)}  # fmt: skip
+    if any(_calls_log(t) for t in trees):
         used.add("log")
     explicit_log = "log" in used
     n = last.world_size
@@ -200,7 +253,7 @@ def export_script(last: LastCell, path: str | Path) -> list[Path]:
             chosen = repr(last.backend) if last.backend else "backend"
             parts.append(_TORCH_INIT.format(backend=chosen))
         parts.append(_LOG)
-        if last.autolog and not explicit_log:
+        if any(c.autolog for c in cells) and not explicit_log:
             parts.append(_TORCH_AUTOLOG)
         how = f"Run it with:\n\n    {run}\n"
     else:
@@ -220,34 +273,37 @@ def export_script(last: LastCell, path: str | Path) -> list[Path]:
                 )
                 + "\n"
             )
-    if last.push:
-        data = path.with_name(path.stem + "_push.pkl")
-        data.write_bytes(pickle.dumps(last.push))
+    if pushes:
+        if data.exists():
+            data.unlink()
+        # O_EXCL: a file (or link) planted under this name between the check and here fails.
+        fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(pushes, f)
         written.append(data)
         parts.append(_PUSH.format(name=data.name))
     header = (
-        f'"""Exported from a %%distrain cell by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
-        f"The cell ran on {n} worker{'s' if n > 1 else ''} ({last.framework}). {how}"
+        f'"""Exported from a %%distrain session by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
+        f"{len(cells)} cell{'s' if len(cells) > 1 else ''} ran on {n} "
+        f"worker{'s' if n > 1 else ''} ({last.framework}). {how}"
         '"""\n'
     )
-    body = textwrap.dedent(last.source).strip("\n")
     script = (
         header
-        + "\n# --- what nbdist did before the cell "
-        + "-" * 56
+        + "\n# --- what nbdist did before the cells "
+        + "-" * 55
         + "\n"
         + "".join(parts).strip("\n")
-        + "\n\n# --- the cell "
-        + "-" * 78
-        + "\n"
-        + body
-        + "\n"
+        + "\n\n"
+        + "\n".join(_cell_code(i, c) for i, c in enumerate(cells))
     )
     if last.framework == "torch" and "destroy_process_group" not in used:
         script += (
-            "\n# --- after the cell " + "-" * 73 + "\n"
+            "\n# --- after the cells " + "-" * 72 + "\n"
             "# No destroy_process_group() here: with the DDP model still alive it can deadlock\n"
             "# gloo (pytorch#56297); the process exits next, which frees the group.\n"
         )
+    if path.exists():
+        path.unlink()
     path.write_text(script)
     return written

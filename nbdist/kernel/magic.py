@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import shlex
 import sys
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
+from nbdist.kernel import commands
 from nbdist.kernel.cluster import LocalCluster
-from nbdist.kernel.options import _positive_int, parse_run_options, run_parser
-from nbdist.kernel.runner import Runner
+from nbdist.kernel.options import _names, _positive_int, parse_run_options, run_parser
+from nbdist.kernel.session import Session
 
 _DOC = """Run a cell as a distributed training job, one worker per GPU (2 on CPU).
 
@@ -33,7 +35,13 @@ Line magic::
     %distrain connect --profile NAME   use the engines of a cluster started elsewhere
                               (ipcluster start --profile NAME, SSH/MPI/Slurm launchers);
                               also --cluster-id ID, --profile-dir DIR, --file CONNECTION.json
-    %distrain export train.py  the last %%distrain cell as a script for torchrun / TF_CONFIG
+    %distrain export train.py [--force]  the session's cells as one script for torchrun
+    %distrain reset           drop every worker's variables (the process group stays)
+    %distrain pull NAME[,NAME] [--rank R]   workers' variables into the notebook (rank 0)
+    %distrain push NAME[,NAME]              notebook variables onto every worker
+    %distrain vars            the workers' variables: type, shape, same on every rank?
+    x = %distrain compare NAME   is NAME the same on every rank? (x.identical, x.max_abs_diff)
+    %distrain auto on|off     run every cell on the workers (%%local cells in the notebook)
 
 The cell runs on every worker at once, as rank 0 .. N-1 of one job. Before it starts the
 process group is ready (``torch.distributed``: nccl with GPUs, gloo without), and the cell
@@ -61,8 +69,19 @@ each worker computes ``global_batch / world_size`` samples per step (per-replica
 that machine's GPUs (CPU:0 when there is none). Keras 3's multi-worker ``fit`` bug
 (keras-team/keras#20585) is patched on the workers.
 
-Each cell is a self-contained job: variables do not carry from one %%distrain cell to the
-next. Send notebook data in with ``--push`` and bring rank 0's results back with ``--pull``.
+The workers keep their variables from cell to cell, as ``%%px`` does (a cell runs in each
+engine's own namespace): build the model in one cell, train it in the next, look at it in a
+third. The value of the cell's last line is shown as IPython shows it: once when every rank
+has the same value, one ``[rank N]`` line per rank when they differ. ``display(...)`` works on
+the workers. A cell that names no framework runs under the one the workers already have set up
+(torch when none yet). ``--fresh`` runs one cell in a throwaway namespace; ``--on 0`` runs it on
+some ranks only (to inspect or plot; a collective there cannot complete and is reported).
+
+After an error on every rank that left the process group working (a typo), the variables
+stay, as in a Python REPL. After a failure that may have broken the group (one rank raised
+while others waited in a collective, an interrupt, a timeout) nbdist rebuilds the group and the
+variables are dropped; the error's last line names them. Send notebook data in with ``--push``
+(or ``%distrain push``) and bring results back with ``--pull`` (or ``%distrain pull``).
 A cell written for torchrun that calls ``dist.init_process_group(...)`` itself works as it
 is: nbdist has already set up the group and skips the second initialisation.
 
@@ -106,6 +125,21 @@ TensorFlow, two workers, one Keras model::
     x = np.random.rand(256, 8).astype("float32")
     model.fit(x, x.sum(1), batch_size=64, epochs=2, verbose=0)   # 64 = global batch
 
+A session: build, train, check that the replicas agree, train more::
+
+    %%distrain
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(10, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    %%distrain
+    for step in range(20):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(32, 10)), torch.zeros(32, 1)).backward()
+        opt.step()
+
+    same = %distrain compare model       # same.identical is True: DDP kept them in sync
+
 Data in, results out::
 
     data = torch.randn(256, 10)
@@ -135,7 +169,9 @@ def _doc() -> str:
 
 _SUBCOMMANDS = (
     "start [-n N] | stop | restart [-n N] | status | check SOURCE | "
-    "connect [--profile NAME] [--cluster-id ID] [--file CONNECTION.json] | export SCRIPT.py"
+    "connect [--profile NAME] [--cluster-id ID] [--file CONNECTION.json] | "
+    "export SCRIPT.py [--force] | reset | pull NAME[,NAME] [--rank R] | push NAME[,NAME] | "
+    "vars | compare NAME | auto on|off"
 )
 
 
@@ -162,6 +198,18 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     connect.add_argument("--timeout", type=float, default=30.0)
     export = sub.add_parser("export", add_help=False)
     export.add_argument("path")
+    export.add_argument("--force", action="store_true")
+    sub.add_parser("reset", add_help=False)
+    sub.add_parser("vars", add_help=False)
+    pull = sub.add_parser("pull", add_help=False)
+    pull.add_argument("names", type=_names("pull"))
+    pull.add_argument("--rank", type=int, default=0)
+    push = sub.add_parser("push", add_help=False)
+    push.add_argument("names", type=_names("push"))
+    compare = sub.add_parser("compare", add_help=False)
+    compare.add_argument("name", type=_names("compare"))
+    auto = sub.add_parser("auto", add_help=False)
+    auto.add_argument("mode", choices=("on", "off"))
     return p
 
 
@@ -182,29 +230,30 @@ def _interrupt_path(shell: Any) -> str | None:
 
 @magics_class
 class DistrainMagics(Magics):
-    """Holds this kernel's cluster and runner; one instance per ``%load_ext nbdist``."""
+    """Holds this kernel's cluster and session; one instance per ``%load_ext nbdist``."""
 
     def __init__(self, shell) -> None:
         super().__init__(shell)
         self.cluster = LocalCluster(notify=self._notify)
-        self.runner = Runner(self.cluster, notify=self._notify)
-        self.runner.interrupt_path = _interrupt_path(shell)
+        self.session = Session(self.cluster, notify=self._notify)
+        self.session.interrupt_path = _interrupt_path(shell)
+        self.auto = False
+        self._local = False  # inside a %%local cell: the auto prefix does not apply
 
-    def _export(self, path: str) -> None:
-        from nbdist.kernel.export import export_script
+    def _export(self, path: str, force: bool) -> None:
+        from nbdist.kernel.export import ExportError, export_script
 
-        last = self.runner.last
-        if last is None:
-            raise UsageError(
-                "%distrain export: no %%distrain cell has run in this kernel yet; run one, "
-                "then %distrain export train.py."
-            )
         if not path.endswith(".py"):
             raise UsageError(f"%distrain export: {path!r} should be a .py file, e.g. train.py")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise UsageError(f"%distrain export: no folder {folder}; create it first.")
-        written = export_script(last, path)
+        try:
+            written = export_script(self.session.cells, path, force=force)
+        except ExportError as e:
+            raise UsageError(
+                f"%distrain export: {e}. (Run the cells, then %distrain export train.py.)"
+            ) from None
         extra = f" (and {written[1].name}, the --push data)" if len(written) > 1 else ""
         print(f"nbdist: wrote {written[0]}{extra}; how to run it is at the top of the file.")
 
@@ -217,10 +266,36 @@ class DistrainMagics(Magics):
         if cell is None:
             return self._subcommand(line)
         opts = parse_run_options(line)
-        self.runner.run(opts, cell, self.shell.user_ns)
+        return self.session.run(opts, cell, self.shell.user_ns)
+
+    @cell_magic
+    def local(self, line: str, cell: str):
+        """Run this cell in the notebook's own kernel (while ``%distrain auto on``)."""
+        self._local = True
+        try:
+            code = self.shell.transform_cell(cell)
+        finally:
+            self._local = False
+        tree = ast.parse(code)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        ns = self.shell.user_ns
+        exec(compile(tree, "<%%local>", "exec"), ns)  # noqa: S102 - the user's own cell
+        if last is not None and not cell.rstrip().endswith(";"):
+            return eval(compile(last, "<%%local>", "eval"), ns)  # noqa: S307
         return None
 
-    def _subcommand(self, line: str) -> None:
+    def _auto_prefix(self, lines: list[str]) -> list[str]:
+        """With ``%distrain auto on``: a cell that starts with no ``%`` runs on the workers."""
+        if not self.auto or self._local or not lines:
+            return lines
+        first = lines[0].lstrip()
+        if not first or first.startswith(("%", "!", "?")):
+            return lines
+        return ["%%distrain\n", *lines]
+
+    def _subcommand(self, line: str) -> Any:
         try:
             argv = shlex.split(line)
         except ValueError as e:
@@ -231,19 +306,23 @@ class DistrainMagics(Magics):
                 "To run a cell, put %%distrain (two %) on its first line."
             )
         ns = _subcommand_parser().parse_args(argv)
+        session, cluster = self.session, self.cluster
         if ns.command == "start":
-            if self.cluster.running:
-                self.cluster.ensure(ns.workers)
+            if cluster.running:
+                cluster.ensure(ns.workers)
             else:
-                self.cluster.start(ns.workers)
-            print(self.cluster.status_text())
+                cluster.start(ns.workers)
+            session.note_engines("the workers were resized")
+            print(cluster.status_text())
         elif ns.command == "restart":
             self._notify("nbdist: restarting the workers")
-            self.cluster.restart(ns.workers)
-            print(self.cluster.status_text())
+            cluster.restart(ns.workers)
+            session.note_engines("the workers were restarted")
+            print(cluster.status_text())
         elif ns.command == "stop":
-            was, owned = self.cluster.running, self.cluster.owned
-            self.cluster.stop()
+            was, owned = cluster.running, cluster.owned
+            cluster.stop()
+            session.note_engines("the workers were stopped")
             if not was:
                 print("nbdist: no cluster was running")
             elif owned:
@@ -251,25 +330,54 @@ class DistrainMagics(Magics):
             else:
                 print("nbdist: disconnected; the connected cluster's engines keep running")
         elif ns.command == "connect":
-            self.cluster.connect(
+            cluster.connect(
                 profile=ns.profile,
                 cluster_id=ns.cluster_id,
                 profile_dir=ns.profile_dir,
                 url_file=ns.url_file,
                 timeout=ns.timeout,
             )
-            print(self.cluster.connected_text())
+            session.note_engines("the notebook left its workers for the connected cluster")
+            print(cluster.connected_text())
         elif ns.command == "export":
-            self._export(ns.path)
+            self._export(ns.path, ns.force)
         elif ns.command == "check":
             text = " ".join(ns.source)
             value = self.shell.user_ns.get(text)
             source = value if isinstance(value, str) else text
-            self.runner.report_findings(source, self.cluster.size or None, quiet=False)
+            session.report_findings(source, cluster.size or None, quiet=False)
+        elif ns.command == "reset":
+            print(commands.reset(session))
+        elif ns.command == "pull":
+            print(commands.pull(session, ns.names, ns.rank, self.shell.user_ns))
+        elif ns.command == "push":
+            print(commands.push(session, ns.names, self.shell.user_ns))
+        elif ns.command == "vars":
+            return commands.variables(session)
+        elif ns.command == "compare":
+            if len(ns.name) != 1:
+                raise UsageError("%distrain compare takes one variable name, e.g. compare model")
+            return commands.compare(session, ns.name[0])
+        elif ns.command == "auto":
+            self.auto = ns.mode == "on"
+            transforms = self.shell.input_transformers_cleanup
+            if self.auto and self._auto_prefix not in transforms:
+                transforms.append(self._auto_prefix)
+            elif not self.auto and self._auto_prefix in transforms:
+                transforms.remove(self._auto_prefix)
+            print(
+                "nbdist: auto on: every cell runs on the workers; %%local runs one in the "
+                "notebook, %distrain auto off ends it"
+                if self.auto
+                else "nbdist: auto off: cells run in the notebook again"
+            )
         else:
-            print(self.cluster.status_text())
+            print("\n".join([cluster.status_text(), *commands.status_lines(session)]))
+        return None
 
     def close(self) -> None:
+        if self._auto_prefix in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.remove(self._auto_prefix)
         self.cluster.stop()
 
 

@@ -37,6 +37,8 @@ class RunOptions:
     plot: bool = True
     smoothing: float = 1.0
     scan: tuple[int, ...] | None = None
+    fresh: bool = False
+    on: tuple[int, ...] | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,6 +213,19 @@ def run_parser() -> argparse.ArgumentParser:
         "throughput, speedup and efficiency against the ideal line",
     )
     p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run this cell in a throwaway namespace: it neither sees nor leaves variables on "
+        "the workers (--scan always does)",
+    )
+    p.add_argument(
+        "--on",
+        type=_ranks,
+        metavar="R,S",
+        help="run the cell on these ranks only (to inspect or plot); a collective in it cannot "
+        "complete and is reported",
+    )
+    p.add_argument(
         "--no-check",
         dest="check",
         action="store_false",
@@ -238,8 +253,8 @@ def parse_run_options(line: str) -> RunOptions:
             f"%%distrain: --scan {','.join(map(str, ns.scan))} sets the worker counts itself; "
             "drop -n."
         )
-    if ns.scan is not None and (ns.strategy == "mirrored" or ns.pull):
-        flag = "--pull" if ns.pull else "--strategy mirrored"
+    if ns.scan is not None and (ns.strategy == "mirrored" or ns.pull or ns.on):
+        flag = "--pull" if ns.pull else "--on" if ns.on else "--strategy mirrored"
         raise UsageError(
             f"%%distrain: --scan runs the cell several times; {flag} does not go with it. "
             "Drop one of them."
@@ -261,4 +276,6 @@ def parse_run_options(line: str) -> RunOptions:
         plot=ns.plot,
         smoothing=ns.smooth,
         scan=ns.scan,
+        fresh=ns.fresh or ns.scan is not None,
+        on=tuple(sorted(set(ns.on))) if ns.on is not None else None,
     )

@@ -62,3 +62,20 @@ class DistrainResult:
             f"<DistrainResult {self.framework} x{self.world_size}: wall {self.wall:.2f} s "
             f"(per rank: {walls})>"
         )
+
+
+class PerRank(list):
+    """A cell's last value when the ranks' values differ: one entry per rank, in rank order.
+
+    It is a list (``_[1]`` is rank 1's value) that shows as one labelled line per rank.
+    """
+
+    def __init__(self, values: list[Any], ranks: list[int]) -> None:
+        super().__init__(values)
+        self.ranks = list(ranks)
+
+    def __repr__(self) -> str:
+        return "\n".join(f"[rank {r}] {v!r}" for r, v in zip(self.ranks, self, strict=True))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))

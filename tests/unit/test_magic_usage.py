@@ -34,8 +34,10 @@ def test_cell_errors_before_any_engine_starts(shell, magics):
     shell.user_ns["gen"] = (i for i in range(3))
     with pytest.raises(UsageError, match="--push gen: a generator cannot be sent"):
         shell.run_cell_magic("distrain", "--push gen", "import torch\n")
-    with pytest.raises(UsageError, match="uses neither framework.*Add --framework torch"):
-        shell.run_cell_magic("distrain", "", "x = 1\n")
+    with pytest.raises(UsageError, match="--backend is for torch cells; drop it for tf"):
+        shell.run_cell_magic("distrain", "--backend gloo", "import tensorflow\n")
+    with pytest.raises(UsageError, match="--strategy is for TensorFlow cells"):
+        shell.run_cell_magic("distrain", "--strategy mirrored --framework torch", "x = 1\n")
     with pytest.raises(UsageError, match="uses both tf and torch.*Add --framework torch"):
         shell.run_cell_magic("distrain", "", "import torch, tensorflow\n")
     assert magics.cluster.running == running

@@ -3,8 +3,8 @@
 import io
 from types import SimpleNamespace
 
-from nbdist.kernel import runner
-from nbdist.kernel.runner import _OutputRelay
+from nbdist.kernel import relay as relay_module
+from nbdist.kernel.relay import OutputRelay
 
 
 def _ars(*stdouts):
@@ -13,23 +13,23 @@ def _ars(*stdouts):
 
 def test_a_burst_is_written_in_rank_order(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(relay_module.time, "monotonic", lambda: clock[0])
     out, err = io.StringIO(), io.StringIO()
-    relay = _OutputRelay([True, True], out, err)
+    relay = OutputRelay([True, True], out, err)
     relay.pump(_ars("", "b1\n"))  # rank 1's line arrives first...
     clock[0] += 0.1
     relay.pump(_ars("a1\na2\n", "b1\n"))  # ...rank 0's two lines a moment later
     assert out.getvalue() == ""  # held
-    clock[0] += _OutputRelay.HOLD_S
+    clock[0] += OutputRelay.HOLD_S
     relay.pump(_ars("a1\na2\n", "b1\n"))
     assert out.getvalue() == "[rank 0] a1\n[rank 0] a2\n[rank 1] b1\n"
 
 
 def test_lines_are_not_held_longer_than_the_hold_time(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(relay_module.time, "monotonic", lambda: clock[0])
     out = io.StringIO()
-    relay = _OutputRelay([True, True], out, io.StringIO())
+    relay = OutputRelay([True, True], out, io.StringIO())
     relay.pump(_ars("x\n", ""))
     clock[0] = 1.0
     relay.pump(_ars("x\n", "y\n"))  # rank 0's held line is overdue: the burst goes out now
@@ -42,7 +42,7 @@ def test_lines_are_not_held_longer_than_the_hold_time(monkeypatch):
 
 def test_partial_lines_wait_for_their_newline_or_the_end():
     out = io.StringIO()
-    relay = _OutputRelay([True], out, io.StringIO())
+    relay = OutputRelay([True], out, io.StringIO())
     relay.pump(_ars("no newline yet"))
     relay.pump(_ars("no newline yet"), final=True)
     assert out.getvalue() == "[rank 0] no newline yet\n"
@@ -50,7 +50,7 @@ def test_partial_lines_wait_for_their_newline_or_the_end():
 
 def test_hidden_ranks_and_stderr():
     out, err = io.StringIO(), io.StringIO()
-    relay = _OutputRelay([False, True], out, err)
+    relay = OutputRelay([False, True], out, err)
     ars = [SimpleNamespace(stdout="a\n", stderr=""), SimpleNamespace(stdout="b\n", stderr="oops\n")]
     relay.pump(ars, final=True)
     assert (out.getvalue(), err.getvalue()) == ("[rank 1] b\n", "[rank 1] oops\n")

@@ -23,9 +23,12 @@ A backend module provides:
 ``session(spec, state)``
     a context manager around one run: makes the distributed runtime ready and yields the names
     the cell sees (``device``, ``strategy``, ...).
+``healthy(state, *, timeout)``
+    after a cell failed on every rank: None when the group still works (a check that returns
+    within about ``timeout`` seconds), else why not.
 ``recover(state)``
-    after a failed run, once the cell's objects are gone: leave the engine ready for a new
-    rendezvous, and free peers still blocked in a collective.
+    once the cells' objects are gone: leave the engine ready for a new rendezvous (or a new
+    strategy), and free peers still blocked in a collective.
 
 Adding a framework is one new module and one line in ``_MODULES``.
 """

@@ -5,7 +5,10 @@ strategy is created (see ``shared/NOTES.md``):
 
 * every engine picks its gRPC port once and keeps it for life, so every rendezvous on the same
   engines yields the same ``TF_CONFIG`` (new ports on live engines hang silently);
-* a new ``MultiWorkerMirroredStrategy`` per run with that same ``TF_CONFIG`` is cheap (~0.04 s);
+* one ``MultiWorkerMirroredStrategy`` object serves the whole session, so a Keras model built
+  in ``strategy.scope()`` in one cell can ``fit`` in the next; after a failure that broke the
+  collectives, :func:`recover` drops it and the next cell gets a new one (~0.04 s, same
+  ``TF_CONFIG``);
 * every collective has a timeout, so a rank that raised inside ``model.fit`` makes its peers fail
   with DeadlineExceeded instead of blocking forever, and the engines stay usable;
 * a worker process that dies poisons the survivors: the notebook side replaces every engine.
@@ -191,8 +194,12 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     slot = state.slot(NAME)
     patch_keras()
     gpus = tf.config.list_physical_devices("GPU")
-    slot["mode"] = _mode(spec.options)
-    if slot["mode"] == "mirrored":
+    mode = _mode(spec.options)
+    timeout = collective_timeout(spec.options)
+    strategy = slot.get("strategy")
+    if strategy is not None and slot.get("strategy_key") == (mode, timeout):
+        pass  # the session's strategy: models built in its scope in earlier cells still work
+    elif mode == "mirrored":
         strategy = tf.distribute.MirroredStrategy()
     else:
         tf_config = os.environ["TF_CONFIG"]
@@ -208,10 +215,11 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
             else tf.distribute.experimental.CommunicationImplementation.RING
         )
         options = tf.distribute.experimental.CommunicationOptions(
-            implementation=implementation, timeout_seconds=collective_timeout(spec.options)
+            implementation=implementation, timeout_seconds=timeout
         )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         slot["tf_config"] = tf_config
+    slot.update(mode=mode, strategy=strategy, strategy_key=(mode, timeout))
     with _autolog(state.recorder, spec.world_size):
         yield {"tf": tf, "strategy": strategy}
 
@@ -306,5 +314,14 @@ def _quiet() -> Iterator[None]:
         absl.setLevel(level)
 
 
+def healthy(state: EngineState, *, timeout: float) -> str | None:
+    """A Python error on every rank leaves TensorFlow's collectives as they were; a collective
+    that failed shows as a lost-peer error, which the notebook sees in the reports."""
+    return None
+
+
 def recover(state: EngineState) -> None:
-    """Nothing to undo: after a collective timed out the same TF_CONFIG works again."""
+    """A new strategy for the next cell; the same TF_CONFIG works again after a timeout."""
+    slot = state.slot(NAME)
+    slot.pop("strategy", None)
+    slot.pop("strategy_key", None)

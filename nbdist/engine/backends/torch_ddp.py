@@ -7,9 +7,11 @@ Lifecycle (see ``shared/NOTES.md`` for the measurements behind it):
 * Rank 0 opens the TCPStore on port 0 (the OS picks a free port) in ``prepare``; every new
   rendezvous therefore gets a fresh port.
 * Every group has a finite collective timeout, so a lost peer is an error, never a hang.
-* After a failed run the worker drops every object of the cell, collects garbage and calls
-  :func:`recover`, which destroys the group. Destroying it on the rank that raised closes its
-  connections, which frees peers blocked in an allreduce within a second (SIGINT does not).
+* After a cell failed on every rank, :func:`healthy` runs a barrier with a short timeout; a
+  group that passes keeps serving the session (the workers' variables stay).
+* When the group is broken, the worker drops every variable, collects garbage and calls
+  :func:`recover`, which destroys the group. Destroying it on a rank closes its connections,
+  which frees peers blocked in an allreduce within a second (SIGINT does not).
 """
 
 from __future__ import annotations
@@ -252,6 +254,27 @@ def _owned_process_group(backend: str, device: Any) -> Iterator[None]:
         for module in (dist, c10d):
             module.init_process_group = real_init
             module.destroy_process_group = real_destroy
+
+
+def healthy(state: EngineState, *, timeout: float) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return "no process group"
+    wait = datetime.timedelta(seconds=timeout)
+    try:
+        if dist.get_backend() == "gloo":
+            # Rank 0 hears from every rank or raises at the timeout, naming who is missing.
+            dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
+        else:
+            ones = torch.ones(1, device=torch.device("cuda", 0))
+            dist.all_reduce(ones, async_op=True).wait(timeout=wait)
+            if ones.item() != dist.get_world_size():
+                return f"all_reduce gave {ones.item():g}, not {dist.get_world_size()}"
+    except Exception as e:  # any error here means the group cannot be trusted
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
 
 
 def recover(state: EngineState) -> None:

@@ -1,0 +1,115 @@
+"""The session's line magics: ``%distrain reset | pull | push | vars | compare`` and the
+per-rank memory lines of ``%distrain status``. Each runs between cells, on every worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from nbdist.engine import session_ops
+from nbdist.kernel.prepare import check_push
+from nbdist.kernel.session import Session
+
+COMMAND_TIMEOUT_S = 60.0
+
+
+def _running(session: Session, what: str) -> None:
+    if not session.cluster.running or not session.cluster.engines:
+        raise UsageError(
+            f"%distrain {what}: no workers are running; run a %%distrain cell (or "
+            "%distrain start) first."
+        )
+
+
+def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
+    """``fn(*args)`` on every rank, in rank order; a remote error becomes a UsageError that
+    names the rank."""
+    cluster = session.cluster
+    ars = [cluster.apply_async(e.rank, fn, *args) for e in cluster.engines]
+    out = []
+    for rank, ar in enumerate(ars):
+        try:
+            out.append(ar.get(COMMAND_TIMEOUT_S))
+        except Exception as e:
+            raise UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}") from None
+    return out
+
+
+def _remote_message(e: Exception) -> str:
+    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
+    return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MB"
+
+
+def reset(session: Session) -> str:
+    _running(session, "reset")
+    reports = _on_all(session, "reset", session_ops.reset)
+    session.forget()
+    dropped = sorted({name for r in reports for name in r["dropped"]})
+    memory = ", ".join(f"rank {i} {_mb(r['rss'])}" for i, r in enumerate(reports))
+    what = f"dropped {', '.join(dropped)}" if dropped else "no variables to drop"
+    return f"nbdist: reset: {what} on every worker; memory now {memory}"
+
+
+def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str, Any]) -> str:
+    _running(session, "pull")
+    if rank >= session.cluster.size:
+        raise UsageError(
+            f"%distrain pull: --rank {rank} does not exist; ranks go from 0 to "
+            f"{session.cluster.size - 1}."
+        )
+    try:
+        values = session.cluster.apply_async(rank, session_ops.pull, list(names)).get(
+            COMMAND_TIMEOUT_S
+        )
+    except Exception as e:
+        raise UsageError(f"%distrain pull: rank {rank}: {_remote_message(e)}") from None
+    user_ns.update(values)
+    return f"nbdist: pulled {', '.join(names)} from rank {rank}"
+
+
+def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> str:
+    _running(session, "push")
+    values = check_push(names, user_ns, flag="push")
+    _on_all(session, "push", session_ops.push, values)
+    session.variables = sorted({*session.variables, *names})
+    return f"nbdist: pushed {', '.join(names)} to every worker"
+
+
+def variables(session: Session) -> Any:
+    from nbdist.kernel.compare import vars_table
+
+    _running(session, "vars")
+    return vars_table(_on_all(session, "vars", session_ops.describe_all))
+
+
+def compare(session: Session, name: str) -> Any:
+    from nbdist.kernel.compare import compare as compare_leaves
+
+    _running(session, "compare")
+    flats = _on_all(session, "compare", session_ops.flatten, name)
+    if all(f is None for f in flats):
+        raise UsageError(
+            f"%distrain compare: no variable {name!r} on any worker; %distrain vars lists them."
+        )
+    return compare_leaves(name, [{} if f is None else f for f in flats])
+
+
+def status_lines(session: Session) -> list[str]:
+    """Each rank's memory and how many variables it holds."""
+    if not session.cluster.running or not session.cluster.engines:
+        return []
+    try:
+        reports = _on_all(session, "status", session_ops.memory)
+    except UsageError as e:  # a busy or dead engine: status still shows the rest
+        return [f"memory: not available ({e})"]
+    lines = [f"{'rank':>4}  {'memory':>9}  {'gpu memory':>10}  variables"]
+    lines += [
+        f"{rank:>4}  {_mb(r['rss']):>9}  {_mb(r['gpu']):>10}  {r['variables']}"
+        for rank, r in enumerate(reports)
+    ]
+    return lines

@@ -1,0 +1,203 @@
+"""What happens when a rank fails: the session's state afterwards, and the one error to show.
+
+The workers keep their variables from cell to cell, so a failed cell must leave either a
+session that still works, or a clean one, with the user told which:
+
+* **kept** — every rank raised on its own (a typo, a shape error), no rank was stopped, and a
+  check that cannot hang (:func:`nbdist.engine.worker.check_group`: a barrier with a
+  ``HEALTH_TIMEOUT_S`` timeout) passes on every rank. As in a Python REPL, the variables stay.
+* **dropped** — anything that may have broken the group: one rank raised while others waited
+  in a collective, an interrupt, ``--timeout``, a stall, a failed check. Every rank drops its
+  variables and its part of the group (the variables first: destroying a gloo group under a
+  live DDP model can deadlock); the next cell makes a new rendezvous. The error ends with the
+  names of the variables dropped.
+* **replaced** — a rank was killed or died: the engines were replaced, and their variables
+  went with them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbdist.engine import backends, worker
+from nbdist.errors import (
+    DistrainError,
+    JobInterrupted,
+    JobStalled,
+    JobTimeout,
+    WorkerDied,
+    WorkerError,
+    lost_peer,
+)
+from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.job import Outcome
+
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_WAIT_S = HEALTH_TIMEOUT_S + 3.0  # the check itself, plus the round trip
+DROP_WAIT_S = 15.0
+
+
+def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str, list[str]]:
+    """Bring the session to a known state after ``outcome``: ``("ok" | "kept" | "dropped" |
+    "replaced", names of the variables dropped)``."""
+    watch = outcome.watch
+    if outcome.replaced:
+        return "replaced", []
+    if watch.reason is None and not outcome.failures:
+        return "ok", []
+    everyone = list(range(cluster.size))
+    own_errors = (
+        watch.reason is None
+        and not outcome.stopped
+        and len(outcome.failures) == len(outcome.ranks) == cluster.size
+        and not any(lost_peer(f) or f.exc_type == "KeyboardInterrupt" for f in outcome.failures)
+    )
+    if own_errors and _group_works(cluster, framework, everyone):
+        return "kept", []
+    return "dropped", drop(cluster, framework, [r for r in everyone if r not in outcome.released],
+                           already=outcome.dropped)  # fmt: skip
+
+
+def _group_works(cluster: LocalCluster, framework: str, ranks: list[int]) -> bool:
+    ars = [
+        cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
+        for r in ranks
+    ]
+    deadline = time.monotonic() + HEALTH_WAIT_S
+    verdicts = []
+    for ar in ars:
+        try:
+            verdicts.append(ar.get(max(0.0, deadline - time.monotonic())))
+        except Exception as e:  # timed out or failed: the group cannot be trusted
+            verdicts.append(f"{type(e).__name__}: {e}")
+    return all(v is None for v in verdicts)
+
+
+def drop(
+    cluster: LocalCluster, framework: str, ranks: list[int], *, already: set[str] | None = None
+) -> list[str]:
+    """Every rank in ``ranks`` drops its variables and its part of the group; returns the
+    names dropped (with ``already``, those dropped earlier in the same job). A rank that does
+    not confirm in time gets the engines replaced: the next cell must start clean."""
+    names = set(already or ())
+    ars = {r: cluster.apply_async(r, worker.drop_session, framework) for r in ranks}
+    deadline = time.monotonic() + DROP_WAIT_S
+    stuck = []
+    for r, ar in ars.items():
+        try:
+            names.update(ar.get(max(0.0, deadline - time.monotonic())))
+        except Exception:
+            stuck.append(r)
+    if stuck:
+        cluster.replace_engines(
+            notice=f"nbdist: replacing the engines (rank {stuck[0]} could not leave its process "
+            "group cleanly)"
+        )
+    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+        cluster.rendezvous.pop(framework, None)
+    return sorted(names)
+
+
+def state_line(state: str, names: list[str], *, connected_stale: str | None = None) -> str:
+    """The last line of a failed cell's error: what happened to the workers' variables."""
+    if state == "kept":
+        return (
+            "The workers' variables are kept (as after an error in a Python REPL); fix the "
+            "cell and run it again."
+        )
+    if state == "dropped":
+        what = f" ({', '.join(names)})" if names else ""
+        return (
+            f"The process group was rebuilt and the workers' variables were dropped{what}: "
+            "re-run the cells that build them."
+        )
+    if state == "replaced":
+        return connected_stale or (
+            "The engines were replaced and the workers' variables went with them: re-run the "
+            "cells that build them."
+        )
+    return ""
+
+
+def error_for(outcome: Outcome, opts: Any, *, on: tuple[int, ...] | None) -> DistrainError | None:
+    """The one error that says what went wrong, or None when the job succeeded."""
+    watch = outcome.watch
+    job_ranks = outcome.ranks
+    stopped = sorted(outcome.stopped)
+    named = ", ".join(map(str, stopped or job_ranks))
+    if watch.dead:
+        where = ", ".join(
+            f"rank {job_ranks[p]} (host {outcome.hosts_pids[p][0]}, pid {outcome.hosts_pids[p][1]})"
+            for p in watch.dead
+        )
+        if watch.reason == "interrupt":  # the process exited on the interrupt itself
+            return JobInterrupted(
+                f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
+                f"{', '.join(map(str, job_ranks))}; {where} exited on the interrupt"
+            )
+        return WorkerDied(f"{where} died during the job")
+    if watch.reason == "stalled":
+        return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=on))
+    if any(f.exc_type != "KeyboardInterrupt" for f in outcome.failures):
+        return WorkerError(outcome.failures, stopped=stopped)
+    if watch.reason == "timeout":
+        return JobTimeout(
+            f"the job ran past --timeout {opts.timeout:g} s; stopped ranks {named}. "
+            "Raise --timeout or make the cell shorter."
+        )
+    if watch.reason == "interrupt":
+        return JobInterrupted(
+            f"interrupted (Stop button or Kernel > Interrupt); stopped ranks {named}."
+        )
+    return None
+
+
+def stall_message(
+    stalled: dict[str, Any],
+    limit: float,
+    stopped: list[int],
+    job_ranks: list[int],
+    *,
+    on: tuple[int, ...] | None = None,
+) -> str:
+    """Names the stalled ranks that are furthest behind as stuck; the others as waiting."""
+    steps = stalled["steps"]
+    who = ", ".join(map(str, stopped or job_ranks))
+    if on is not None:
+        waiting = ", ".join(map(str, stalled["ranks"]))
+        return (
+            f"no progress for {limit:g} s: rank{'s' if len(stalled['ranks']) > 1 else ''} "
+            f"{waiting} wait{'' if len(stalled['ranks']) > 1 else 's'} in a collective that "
+            f"needs every rank, but --on ran only ranks {', '.join(map(str, on))}. Run "
+            "collectives (DDP training, all_reduce, barrier) without --on; use --on for "
+            "inspecting or plotting on some ranks."
+        )
+    if stalled.get("all_idle"):
+        ranks = ", ".join(map(str, stalled["ranks"]))
+        return (
+            f"no progress for {limit:g} s and every rank sits idle (ranks {ranks}, no CPU use, "
+            "none past its first step): they are waiting on each other, e.g. a collective that "
+            "not every rank reached, mismatched collectives, or a rank blocked on a sleep, a lock "
+            f"or input. Stopped ranks {who}. If the cell "
+            "waits on purpose (a download), allow longer with --stall S."
+        )
+
+    def at(rank: int) -> str:
+        return "before its first step" if steps.get(rank) is None else f"at step {steps[rank]}"
+
+    def key(rank: int) -> int:
+        return -1 if steps.get(rank) is None else steps[rank]
+
+    behind = min(key(r) for r in stalled["ranks"])
+    stuck = [r for r in stalled["ranks"] if key(r) == behind]
+    parts = [
+        f"rank {r} is stuck {at(r)} (no progress for {stalled['idle'][r]:.0f} s)" for r in stuck
+    ]
+    parts += [f"rank {r} waits {at(r)}" for r in job_ranks if r not in stuck]
+    return (
+        f"no progress for {limit:g} s: {'; '.join(parts)}. "
+        f"Stopped ranks {', '.join(map(str, stopped or job_ranks))}. Look for what the stuck "
+        "rank waits for (a collective the other ranks skipped, a sleep, a deadlock), or allow "
+        "longer pauses with --stall S."
+    )

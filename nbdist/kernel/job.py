@@ -1,0 +1,375 @@
+"""One ``%%distrain`` cell on the workers: submit, relay output, watch, collect.
+
+Stopping a job that went wrong escalates, each step bounded (times from ``shared/NOTES.md`` and
+this project's fault tests). The backend's ``peer_release_s`` is how long a rank blocked in a
+collective takes to notice a lost peer: about 1 s for torch (a rank that drops its part of the
+group frees its peers), the collective timeout for TensorFlow.
+
+1. A rank that raises reports its failure. If other ranks are still running ``RELEASE_S``
+   later (a cell that fails on every rank, a typo, has ended by then), the failed ranks drop
+   their part of the group, and peers blocked in a collective with them fail within
+   ``peer_release_s``. When the job stalls, ranks that already finished (or that ``--on`` left
+   out) do the same: the waiting ranks are freed without being killed.
+2. Ranks still running ``peer_release_s + PEER_GRACE_S`` later (at once on ``--timeout`` or the
+   notebook's interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
+3. Ranks still running ``peer_release_s + KILL_GRACE_S`` after that are killed and every engine
+   is replaced, so the next run starts clean.
+
+What the outcome means for the session (kept variables or a rebuilt group) is decided in
+:mod:`nbdist.kernel.failures`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbdist.engine import backends, worker
+from nbdist.engine.spec import RankSpec
+from nbdist.errors import RankFailure
+from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.display import LiveView
+from nbdist.kernel.metrics import MetricsStream
+from nbdist.kernel.relay import OutputRelay
+
+# Beyond the time the backend says a blocked peer needs to notice a lost rank:
+PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
+KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
+# A cell that fails on every rank (a typo) fails on all of them within milliseconds; only
+# ranks still running this long after the first failure wait for a peer that is gone.
+RELEASE_S = 0.3
+POLL_S = 0.005  # a trivial warm cell takes ~15 ms on the engines: poll finer than that
+LIVENESS_EVERY_S = 0.25
+CPU_SAMPLE_EVERY_S = 1.0
+IDLE_CPU_SHARE = 0.1  # below 10% of one core, an engine counts as waiting, not working
+LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
+RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
+
+
+@dataclass
+class Watch:
+    """Why the job is being stopped, and when each escalation step happened.
+
+    Ranks here are positions in the job (``Job.ranks[i]`` is the session rank).
+    """
+
+    reason: str | None = None  # "failure", "timeout", "stalled", "interrupt", "died"
+    since: float = 0.0
+    interrupted: bool = False
+    stalled: dict[str, Any] = field(default_factory=dict)  # who stalled, when, at which step
+    progress: dict[int, float] = field(default_factory=dict)  # rank -> last progress (monotonic)
+    first_progress: float | None = None
+    first_failure: float | None = None
+    killed: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    # Before any progress: each rank's engine CPU time at the last sample, and when it was last
+    # seen using the CPU. Every rank idle for the stall limit = they wait on each other.
+    cpu: dict[int, float] = field(default_factory=dict)
+    cpu_at: float = 0.0
+    busy_at: dict[int, float] = field(default_factory=dict)
+
+    def note_progress(self, rank: int, now: float) -> None:
+        self.progress[rank] = now
+        if self.first_progress is None:
+            self.first_progress = now
+
+    def stuck(self, pending: list[int], now: float, limit: float) -> list[int]:
+        """Pending ranks with no progress for ``limit`` s (counted from the first progress)."""
+        if self.first_progress is None:
+            return []
+        return [r for r in pending if now - self.progress.get(r, self.first_progress) > limit]
+
+    def sample_cpu(self, cpu: dict[int, float] | None, now: float) -> None:
+        if cpu is None:
+            return
+        dt = now - self.cpu_at
+        for rank, seconds in cpu.items():
+            if rank not in self.cpu or seconds - self.cpu[rank] > IDLE_CPU_SHARE * dt:
+                self.busy_at[rank] = now
+        self.cpu, self.cpu_at = cpu, now
+
+    def all_idle(self, pending: list[int], now: float, limit: float) -> bool:
+        """No progress yet, and every pending rank has used (almost) no CPU for ``limit`` s."""
+        return (
+            self.first_progress is None
+            and bool(pending)
+            and all(r in self.busy_at and now - self.busy_at[r] > limit for r in pending)
+        )
+
+    def start(self, reason: str, now: float) -> None:
+        if self.reason is None:
+            self.reason, self.since = reason, now
+
+
+@dataclass
+class Outcome:
+    """What a job left: the reports of the ranks that finished and how the others ended."""
+
+    ranks: list[int]  # session ranks, one per position
+    ars: list[Any]
+    watch: Watch
+    wall: float
+    reports: dict[int, dict]  # by position
+    failures: list[RankFailure]
+    stopped: list[int]  # positions that had to be stopped
+    history: list[dict[str, Any]]
+    meta: dict[str, Any]
+    released: set[int] = field(default_factory=set)  # session ranks that dropped their group
+    dropped: set[str] = field(default_factory=set)  # variables those ranks dropped
+    replaced: bool = False  # the engines were replaced (a rank was killed or died)
+    hosts_pids: dict[int, tuple[str, int]] = field(default_factory=dict)  # dead/killed positions
+
+
+class Job:
+    """Runs ``specs`` (one per rank that takes part) and watches them until each is done."""
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        specs: Sequence[RankSpec],
+        *,
+        opts: Any,
+        live: LiveView,
+        out: Any,
+        err: Any,
+        world: int,
+    ) -> None:
+        self.cluster = cluster
+        self.specs = list(specs)
+        self.ranks = [s.rank for s in specs]
+        self.opts = opts
+        self.live = live
+        self.world = world  # ranks in the group: --on runs a job on some of them
+        self.framework = specs[0].framework
+        visible = [opts.ranks is None or r in opts.ranks for r in self.ranks]
+        self.outputs = OutputRelay(visible, out, err, labels=self.ranks)
+        self.stream = MetricsStream(len(specs))
+        self.watch = Watch()
+        self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
+
+    def run(self) -> Outcome:
+        start = time.monotonic()
+        ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
+        release = backends.load(self.framework).peer_release_s(self.specs[0].options)
+        self._watch(ars, start, release)
+        wall = time.monotonic() - start
+        watch = self.watch
+        # ipyparallel may report a dead engine's task as failed before our liveness poll did.
+        watch.dead = sorted(set(watch.dead) | set(self._dead(range(len(ars)))))
+        self.outputs.pump(ars, final=True)
+        outcome = Outcome(
+            ranks=self.ranks, ars=ars, watch=watch, wall=wall, reports={}, failures=[],
+            stopped=[], history=[], meta={},
+        )  # fmt: skip
+        lost = sorted(set(watch.killed) | set(watch.dead))
+        if lost:
+            outcome.hosts_pids = {
+                p: (
+                    self.cluster.engines[self.ranks[p]].host,
+                    self.cluster.engines[self.ranks[p]].pid,
+                )
+                for p in lost
+            }
+            names = ", ".join(str(self.ranks[p]) for p in lost)
+            self.cluster.replace_engines(
+                notice=f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
+                f"{names} had to be killed or died)"
+            )
+            outcome.replaced = True
+        else:
+            self._confirm_released(outcome)
+        self._collect(outcome)
+        expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
+        self._drain(ars, expected)
+        outcome.history = self.stream.history
+        outcome.meta = self.stream.meta[0]
+        return outcome
+
+    # -- watching --------------------------------------------------------------------------------
+    def _watch(self, ars: list[Any], start: float, release: float) -> None:
+        """Poll until every rank is done, escalating when something goes wrong."""
+        opts, watch, stream, live = self.opts, self.watch, self.stream, self.live
+        peer_grace = release + PEER_GRACE_S
+        kill_grace = release + KILL_GRACE_S
+        next_liveness = time.monotonic() + LIVENESS_EVERY_S
+        while True:
+            try:
+                now = time.monotonic()
+                self.outputs.pump(ars)
+                for pos, ar in enumerate(ars):
+                    if stream.pump(pos, ar.data):
+                        watch.note_progress(pos, now)
+                pending = [p for p, ar in enumerate(ars) if not ar.ready()]
+                if not pending:
+                    return
+                live.update(stream.history, states(ars, watch), total_steps=stream.total_steps())
+                now = time.monotonic()
+                failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
+                if failed and watch.first_failure is None:
+                    watch.first_failure = now
+                if watch.reason is None:
+                    if failed and now - watch.first_failure >= RELEASE_S:
+                        self._release_ranks([self.ranks[p] for p in failed])
+                        watch.start("failure", now)
+                    elif opts.timeout is not None and now - start > opts.timeout:
+                        watch.start("timeout", now - peer_grace)
+                    elif watch.stuck(pending, now, opts.stall):
+                        # Every rank idle for a good part of the limit is part of the stall: the
+                        # one furthest behind is the culprit, the others wait for it. (Their last
+                        # points arrive in any order within a flush interval.)
+                        stuck = watch.stuck(pending, now, opts.stall / 2)
+                        watch.stalled = {
+                            "ranks": [self.ranks[p] for p in stuck],
+                            "steps": {self.ranks[p]: s for p, s in enumerate(stream.last_step)},
+                            "idle": {
+                                self.ranks[p]: now - watch.progress.get(p, watch.first_progress)
+                                for p in stuck
+                            },
+                        }
+                        self._stall(pending, now, peer_grace)
+                if (
+                    watch.reason is None
+                    and watch.first_progress is None
+                    and now - watch.cpu_at >= CPU_SAMPLE_EVERY_S
+                ):
+                    cpu = self.cluster.cpu_seconds([self.ranks[p] for p in pending])
+                    if cpu is not None:
+                        cpu = {self.ranks.index(r): t for r, t in cpu.items()}
+                    watch.sample_cpu(cpu, now)
+                    if watch.all_idle(pending, now, opts.stall):
+                        watch.stalled = {
+                            "ranks": [self.ranks[p] for p in pending],
+                            "steps": {self.ranks[p]: s for p, s in enumerate(stream.last_step)},
+                            "idle": {self.ranks[p]: now - watch.busy_at[p] for p in pending},
+                            "all_idle": True,
+                        }
+                        self._stall(pending, now, peer_grace)
+                if now >= next_liveness:
+                    next_liveness = now + LIVENESS_EVERY_S
+                    dead = [p for p in self._dead(pending) if p not in watch.dead]
+                    if dead:
+                        watch.dead.extend(dead)
+                        watch.start("died", now)
+                if watch.reason is not None:
+                    waited = now - watch.since
+                    if not watch.interrupted and waited >= peer_grace:
+                        watch.interrupted = True
+                        self.cluster.interrupt([self.ranks[p] for p in pending])
+                    elif watch.interrupted and waited >= peer_grace + kill_grace:
+                        alive = [p for p in pending if p not in watch.dead]
+                        self.cluster.kill([self.ranks[p] for p in alive])
+                        watch.killed.extend(alive)
+                        return
+                    if watch.dead and set(pending) <= set(watch.dead):
+                        return
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
+                    watch.since = time.monotonic() - peer_grace - kill_grace
+                else:
+                    watch.reason = "interrupt"
+                    watch.since = time.monotonic() - peer_grace
+                    watch.interrupted = False
+
+    def _stall(self, pending: list[int], now: float, peer_grace: float) -> None:
+        """Free the waiting ranks through the ranks that are not waiting (finished, or left out
+        by ``--on``): they drop their part of the group, which fails the pending collectives."""
+        idle = [r for r in range(self.world) if r not in {self.ranks[p] for p in pending}]
+        self.watch.stalled["released"] = idle
+        if idle:
+            self._release_ranks(idle)
+            # Give the freed ranks the backend's release time before the SIGINT escalation.
+            self.watch.start("stalled", now)
+        else:
+            self.watch.start("stalled", now - peer_grace)
+
+    def _release_ranks(self, ranks: Sequence[int]) -> None:
+        for r in ranks:
+            if r not in self._release and r < self.cluster.size:
+                self._release[r] = self.cluster.apply_async(r, worker.drop_session, self.framework)
+
+    def _confirm_released(self, outcome: Outcome) -> None:
+        deadline = time.monotonic() + RELEASED_WAIT_S
+        for r, ar in self._release.items():
+            try:
+                outcome.dropped.update(ar.get(max(0.0, deadline - time.monotonic())))
+                outcome.released.add(r)
+            except Exception:  # the engine could not drop its group: failures.py restarts
+                pass
+
+    def _dead(self, positions: Sequence[int]) -> list[int]:
+        dead = set(self.cluster.dead([self.ranks[p] for p in positions]))
+        return [p for p in positions if self.ranks[p] in dead]
+
+    def _drain(self, ars: list[Any], expected: list[int]) -> None:
+        """Read the metrics messages still in flight when the results arrived."""
+        deadline = time.monotonic() + LAST_METRICS_WAIT_S
+        while True:
+            for pos, ar in enumerate(ars):
+                self.stream.pump(pos, ar.data)
+            if self.stream.complete(expected) or time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)
+
+    def _collect(self, outcome: Outcome) -> None:
+        """Reports of the ranks that finished; failures; ranks that had to be stopped."""
+        watch = outcome.watch
+        for pos, (spec, ar) in enumerate(zip(self.specs, outcome.ars, strict=True)):
+            if not ar.ready() or pos in watch.dead:
+                if pos not in watch.dead:
+                    outcome.stopped.append(spec.rank)
+                continue
+            try:
+                report = ar.get(0)
+            except Exception as e:  # the engine itself failed to run the task
+                host = (
+                    self.cluster.engines[spec.rank].host if spec.rank < self.cluster.size else "?"
+                )
+                outcome.failures.append(
+                    RankFailure(
+                        rank=spec.rank,
+                        host=host,
+                        exc_type=type(e).__name__,
+                        message=str(e),
+                        traceback=str(e),
+                        time=time.time(),
+                    )
+                )
+                continue
+            outcome.reports[pos] = report
+            f = report["failure"]
+            if f is not None:
+                if f["exc_type"] == "KeyboardInterrupt" and watch.interrupted:
+                    outcome.stopped.append(spec.rank)
+                    continue
+                outcome.failures.append(RankFailure(**f))
+
+
+def states(ars: list[Any], watch: Watch) -> list[str]:
+    """Each rank's state for the panel."""
+    out = []
+    for ar in ars:
+        if not ar.ready():
+            out.append("stopping" if watch.reason else "running")
+        elif _failed(ar):
+            stopped = watch.interrupted and _failure_type(ar) == "KeyboardInterrupt"
+            out.append("stopped" if stopped else "failed")
+        else:
+            out.append("done")
+    return out
+
+
+def _failure_type(ar: Any) -> str | None:
+    try:
+        return ar.get(0)["failure"]["exc_type"]
+    except Exception:
+        return None
+
+
+def _failed(ar: Any) -> bool:
+    try:
+        return ar.get(0)["failure"] is not None
+    except Exception:
+        return True
