@@ -180,9 +180,12 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
             value = _run_cell(spec.source, spec.filename, namespace)
             report["value"] = value if _picklable(value) else None
             report["value_repr"] = None if value is None else _repr(value)
-            report["pulled"] = _pull(namespace, spec.pull)
             report["ok"] = True
             del value
+            try:  # the cell itself succeeded: a wrong --pull name must not fail the rank
+                report["pulled"] = _pull(namespace, spec.pull)
+            except _PullError as e:
+                report["pull_error"] = str(e)
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
         failure = _describe(exc, spec, host)
     finally:

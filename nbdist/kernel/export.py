@@ -169,8 +169,10 @@ strategy = tf.distribute.MirroredStrategy()  # every GPU of this machine (CPU:0 
 """
 
 _PUSH = """
+import os
 import pickle
 import stat
+import sys
 
 # The notebook variables the cells were given with --push, saved next to this script. A pickle
 # runs code when loaded: refuse one that another user could have changed.
@@ -281,7 +283,7 @@ def export_script(
         with os.fdopen(fd, "wb") as f:
             pickle.dump(pushes, f)
         written.append(data)
-        parts.append(_PUSH.format(name=data.name))
+        parts.insert(0, _PUSH.format(name=data.name))  # checked before anything else runs
     header = (
         f'"""Exported from a %%distrain session by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
         f"{len(cells)} cell{'s' if len(cells) > 1 else ''} ran on {n} "

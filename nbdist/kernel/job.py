@@ -153,11 +153,15 @@ class Job:
         start = time.monotonic()
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         release = backends.load(self.framework).peer_release_s(self.specs[0].options)
+        # The first CPU sample a second in: a short cell never pays for reading /proc.
+        self.watch.cpu_at = start
         self._watch(ars, start, release)
         wall = time.monotonic() - start
         watch = self.watch
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
-        watch.dead = sorted(set(watch.dead) | set(self._dead(range(len(ars)))))
+        # A rank nbdist killed itself is "stopped", never "died".
+        seen_dead = set(watch.dead) | set(self._dead(range(len(ars))))
+        watch.dead = sorted(seen_dead - set(watch.killed))
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
             ranks=self.ranks, ars=ars, watch=watch, wall=wall, reports={}, failures=[],
@@ -253,6 +257,10 @@ class Job:
                         watch.dead.extend(dead)
                         watch.start("died", now)
                 if watch.reason is not None:
+                    # Ranks that are done no longer need the group, which this job leaves broken:
+                    # as they drop their part of it, peers blocked in a collective are freed.
+                    done = [self.ranks[p] for p in range(len(ars)) if p not in pending]
+                    self._release_ranks(done)
                     waited = now - watch.since
                     if not watch.interrupted and waited >= peer_grace:
                         watch.interrupted = True
@@ -317,7 +325,7 @@ class Job:
         """Reports of the ranks that finished; failures; ranks that had to be stopped."""
         watch = outcome.watch
         for pos, (spec, ar) in enumerate(zip(self.specs, outcome.ars, strict=True)):
-            if not ar.ready() or pos in watch.dead:
+            if not ar.ready() or pos in watch.dead or pos in watch.killed:
                 if pos not in watch.dead:
                     outcome.stopped.append(spec.rank)
                 continue

@@ -58,7 +58,7 @@ class Session:
         self.variables: list[str] = []  # what the workers hold, as of the last cell
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self._run_id = 0
-        self._engines: tuple[int, ...] = ()  # engine ids the variables live on
+        self._engines: tuple[tuple[int, int], ...] = ()  # (engine id, pid) the variables live on
 
     @property
     def out(self) -> TextIO:
@@ -74,8 +74,9 @@ class Session:
         self.variables, self.cells = [], []
         self._engines = self._engine_ids()
 
-    def _engine_ids(self) -> tuple[int, ...]:
-        return tuple(e.engine_id for e in self.cluster.engines)
+    def _engine_ids(self) -> tuple[tuple[int, int], ...]:
+        # Ids alone repeat after a restart (a new controller counts from 0 again).
+        return tuple((e.engine_id, e.pid) for e in self.cluster.engines)
 
     def note_engines(self, why: str = "the workers were restarted") -> None:
         """After anything that may have replaced the engines: say what was lost, once."""
@@ -265,6 +266,9 @@ class Session:
             ),
             history=tuple({**h, "rank": job_ranks[h["rank"]]} for h in outcome.history),
         )
+        pull_errors = [r["pull_error"] for r in reports.values() if r.get("pull_error")]
+        if pull_errors:
+            raise UsageError(f"%%distrain: {pull_errors[0]} (the cell itself ran).")
         user_ns.update(reports[0].get("pulled") or {})
         return result, shown_value(result)
 

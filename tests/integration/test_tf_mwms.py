@@ -170,12 +170,12 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
 
     from nbdist import JobInterrupted
 
-    before = magics.runner.view  # the previous run's view, with its samples: not this run
+    before = magics.session.view  # the previous run's view, with its samples: not this run
 
     def interrupt_when_training():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            view = magics.runner.view
+            view = magics.session.view
             if view is not None and view is not before and any(view.agg.samples):
                 interrupted.append(time.monotonic())
                 os.kill(os.getpid(), signal.SIGINT)
@@ -193,3 +193,16 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
     assert time.monotonic() - interrupted[0] < 5 + 10
     tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
     _assert_trained_in_sync(tf_ready.user_ns["res"].values)
+
+
+def test_keras_model_built_in_one_cell_fits_in_the_next_two(tf_ready):
+    """One MultiWorkerMirroredStrategy for the session: build in one cell, fit in the next."""
+    build = FIT.split("    hist = ")[0]
+    tf_ready.run_cell_magic("distrain", "--framework tf", build)
+    fit = "hist = model.fit(x, y, batch_size=64, epochs=2, verbose=0)\nhist.history['loss']\n"
+    first = tf_ready.run_cell_magic("distrain", "--no-plot", fit)  # no framework named: tf
+    second = tf_ready.run_cell_magic("distrain", "--no-plot", fit)
+    assert isinstance(first, list) and isinstance(second, list)  # the same on both workers
+    assert second[-1] < first[-1] < first[0]
+    same = tf_ready.run_line_magic("distrain", "compare model")
+    assert same.identical and same.entries == 4
