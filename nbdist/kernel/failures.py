@@ -113,9 +113,10 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
             "re-run the cells that build them."
         )
     if state == "replaced":
+        what = f" ({', '.join(names)})" if names else ""
         return connected_stale or (
-            "The engines were replaced and the workers' variables went with them: re-run the "
-            "cells that build them."
+            f"The engines were replaced, and the workers' variables{what} went with them: "
+            "re-run the cells that build them."
         )
     return ""
 

@@ -21,6 +21,7 @@ What the outcome means for the session (kept variables or a rebuilt group) is de
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.relay import OutputRelay
+
+log = logging.getLogger(__name__)
 
 # Beyond the time the backend says a blocked peer needs to notice a lost rank:
 PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
@@ -294,9 +297,14 @@ class Job:
             self.watch.start("stalled", now - peer_grace)
 
     def _release_ranks(self, ranks: Sequence[int]) -> None:
+        dead = {self.ranks[p] for p in self.watch.dead}
         for r in ranks:
-            if r not in self._release and r < self.cluster.size:
+            if r in self._release or r in dead or r >= self.cluster.size:
+                continue
+            try:
                 self._release[r] = self.cluster.apply_async(r, worker.drop_session, self.framework)
+            except Exception:  # an engine the hub has dropped (it died): nothing to free
+                log.debug("rank %d cannot be released", r, exc_info=True)
 
     def _confirm_released(self, outcome: Outcome) -> None:
         deadline = time.monotonic() + RELEASED_WAIT_S

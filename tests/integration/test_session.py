@@ -247,3 +247,38 @@ def test_display_from_a_worker(fresh_session, magics):
     assert shown[3] == {"text/plain": "[rank 1]"}
     assert shown[4]["text/html"] == "<b>rank 1</b>"
     assert len(shown) == 5
+
+
+def test_interrupt_mid_training_drops_the_variables_and_the_session_goes_on(
+    fresh_session, magics
+):
+    import os
+    import signal
+    import threading
+
+    from nbdist import JobInterrupted
+
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "", BUILD)
+    pids = [e.pid for e in magics.cluster.engines]
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", TRAIN.replace("range(30)", "range(10**6)"))
+    timer.join()
+    assert str(info.value).startswith(
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1."
+    )
+    assert str(info.value).endswith(
+        "The process group was rebuilt and the workers' variables were dropped (X, Y, g, loss, "
+        "losses, model, opt, step): re-run the cells that build them."
+    )
+    assert [e.pid for e in magics.cluster.engines] == pids  # no engine had to be killed
+    sh.run_cell_magic("distrain", "", BUILD)
+    assert isinstance(sh.run_cell_magic("distrain", "--no-plot", TRAIN), PerRank)
+
+
+def test_the_value_is_the_cells_result(fresh_session):
+    result = fresh_session.run_cell("%%distrain\nworld_size * 21\n")
+    assert result.success and result.result == 42
+    assert fresh_session.user_ns["_"] == 42  # Out[n] and _ as for any cell

@@ -197,7 +197,7 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
 
 def test_keras_model_built_in_one_cell_fits_in_the_next_two(tf_ready):
     """One MultiWorkerMirroredStrategy for the session: build in one cell, fit in the next."""
-    build = FIT.split("    hist = ")[0]
+    build = FIT.split("hist = ")[0]
     tf_ready.run_cell_magic("distrain", "--framework tf", build)
     fit = "hist = model.fit(x, y, batch_size=64, epochs=2, verbose=0)\nhist.history['loss']\n"
     first = tf_ready.run_cell_magic("distrain", "--no-plot", fit)  # no framework named: tf
