@@ -28,8 +28,8 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent.parent / "build" / "bench"
 VARIANTS = {
     "px": ("px", "", "print(rank)\n"),
-    "distrain": ("distrain", "--no-check", "print(rank)\n"),
-    "distrain-value": ("distrain", "--no-check", "rank * 10\n"),
+    "distrain": ("distrain", "", "print(rank)\n"),
+    "distrain-value": ("distrain", "", "rank * 10\n"),
 }
 
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sink):
             shell.run_cell_magic("distrain", "-n 2 --framework torch", "pass\n")
             view = magics.cluster._client[[e.engine_id for e in magics.cluster.engines]]
+            view.block = True  # as %%px blocks in a notebook by default
             view.activate()  # %%px on exactly nbdist's engines
             for _ in range(3):  # warm-up of both paths
                 for magic, line, cell in VARIANTS.values():

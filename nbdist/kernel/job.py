@@ -44,6 +44,7 @@ KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
 # ranks still running this long after the first failure wait for a peer that is gone.
 RELEASE_S = 0.3
 POLL_S = 0.005  # a trivial warm cell takes ~15 ms on the engines: poll finer than that
+PUMP_EVERY_S = 0.05
 LIVENESS_EVERY_S = 0.25
 CPU_SAMPLE_EVERY_S = 1.0
 IDLE_CPU_SHARE = 0.1  # below 10% of one core, an engine counts as waiting, not working
@@ -201,17 +202,23 @@ class Job:
         peer_grace = release + PEER_GRACE_S
         kill_grace = release + KILL_GRACE_S
         next_liveness = time.monotonic() + LIVENESS_EVERY_S
+        next_pump = 0.0
         while True:
             try:
                 now = time.monotonic()
-                self.outputs.pump(ars)
-                for pos, ar in enumerate(ars):
-                    if stream.pump(pos, ar.data):
-                        watch.note_progress(pos, now)
                 pending = [p for p, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
                     return
-                live.update(stream.history, states(ars, watch), total_steps=stream.total_steps())
+                if now >= next_pump:
+                    # Reading a task's output or data parses its metadata (~0.1 ms each): not
+                    # at every poll. Lines are held for OutputRelay.HOLD_S anyway.
+                    next_pump = now + PUMP_EVERY_S
+                    self.outputs.pump(ars)
+                    for pos, ar in enumerate(ars):
+                        if stream.pump(pos, ar.data):
+                            watch.note_progress(pos, now)
+                    history, total = stream.history, stream.total_steps()
+                    live.update(history, states(ars, watch), total_steps=total)
                 now = time.monotonic()
                 failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
                 if failed and watch.first_failure is None:
@@ -275,7 +282,7 @@ class Job:
                         return
                     if watch.dead and set(pending) <= set(watch.dead):
                         return
-                time.sleep(POLL_S)
+                ars[pending[0]].wait(POLL_S)  # returns as soon as that rank is done
             except KeyboardInterrupt:
                 if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
                     watch.since = time.monotonic() - peer_grace - kill_grace

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 from dataclasses import dataclass
 
@@ -122,8 +123,10 @@ def _fraction(text: str) -> float:
     return value
 
 
+@functools.cache
 def run_parser() -> argparse.ArgumentParser:
-    """The parser behind ``%%distrain``; its help is part of the magic's docstring."""
+    """The parser behind ``%%distrain``; its help is part of the magic's docstring. Built once:
+    building it took ~2 ms, a tenth of a short cell."""
     p = _Parser(prog="%%distrain", add_help=False, allow_abbrev=False)
     p.add_argument(
         "-n",

@@ -249,9 +249,7 @@ def test_display_from_a_worker(fresh_session, magics):
     assert len(shown) == 5
 
 
-def test_interrupt_mid_training_drops_the_variables_and_the_session_goes_on(
-    fresh_session, magics
-):
+def test_interrupt_mid_training_drops_the_variables_and_the_session_goes_on(fresh_session, magics):
     import os
     import signal
     import threading
