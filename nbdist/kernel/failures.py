@@ -46,17 +46,18 @@ def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str
         return "replaced", []
     if watch.reason is None and not outcome.failures:
         return "ok", []
-    everyone = list(range(cluster.size))
+    # Every rank of the job raised on its own: the group may still work; a barrier over the
+    # whole group (an --on cell's left-out ranks too) says whether it does.
     own_errors = (
         watch.reason is None
         and not outcome.stopped
-        and len(outcome.failures) == len(outcome.ranks) == cluster.size
+        and len(outcome.failures) == len(outcome.ranks)
         and not any(lost_peer(f) or f.exc_type == "KeyboardInterrupt" for f in outcome.failures)
     )
-    if own_errors and _group_works(cluster, framework, everyone):
+    if own_errors and _group_works(cluster, framework, list(range(outcome.world))):
         return "kept", []
-    return "dropped", drop(cluster, framework, [r for r in everyone if r not in outcome.released],
-                           already=outcome.dropped)  # fmt: skip
+    everyone = [r for r in range(cluster.size) if r not in outcome.released]
+    return "dropped", drop(cluster, framework, everyone, already=outcome.dropped)
 
 
 def _group_works(cluster: LocalCluster, framework: str, ranks: list[int]) -> bool:

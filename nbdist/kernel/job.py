@@ -112,6 +112,7 @@ class Outcome:
     """What a job left: the reports of the ranks that finished and how the others ended."""
 
     ranks: list[int]  # session ranks, one per position
+    world: int  # ranks in the group (more than ``ranks`` for an --on cell)
     ars: list[Any]
     watch: Watch
     wall: float
@@ -148,7 +149,8 @@ class Job:
         self.world = world  # ranks in the group: --on runs a job on some of them
         self.framework = specs[0].framework
         visible = [opts.ranks is None or r in opts.ranks for r in self.ranks]
-        self.outputs = OutputRelay(visible, out, err, labels=self.ranks)
+        noise = getattr(backends.load(self.framework), "OUTPUT_NOISE", None)
+        self.outputs = OutputRelay(visible, out, err, labels=self.ranks, noise=noise)
         self.stream = MetricsStream(len(specs))
         self.watch = Watch()
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
@@ -168,8 +170,8 @@ class Job:
         watch.dead = sorted(seen_dead - set(watch.killed))
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
-            ranks=self.ranks, ars=ars, watch=watch, wall=wall, reports={}, failures=[],
-            stopped=[], history=[], meta={},
+            ranks=self.ranks, world=self.world, ars=ars, watch=watch, wall=wall, reports={},
+            failures=[], stopped=[], history=[], meta={},
         )  # fmt: skip
         lost = sorted(set(watch.killed) | set(watch.dead))
         if lost:

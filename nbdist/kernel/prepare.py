@@ -107,15 +107,17 @@ def warm_up(cluster: LocalCluster, framework: str) -> None:
     cluster.warm.add(framework)
 
 
+def rendezvous_key(framework: str, opts: RunOptions, world: int) -> tuple[Any, ...]:
+    """What a rendezvous is made for. It leaves ``--timeout`` out: a torch group keeps its own
+    collective timeout, and a TensorFlow strategy is remade by the backend when it changes."""
+    return (framework, opts.backend, opts.strategy, world)
+
+
 def rendezvous(
     cluster: LocalCluster, framework: str, opts: RunOptions, world: int, options: dict[str, Any]
 ) -> list[dict[str, str]]:
-    """Each rank's environment; the live rendezvous when it was made for the same job shape.
-
-    The key leaves ``--timeout`` out: a torch group keeps its own collective timeout, and a
-    TensorFlow strategy is remade by the backend when its timeout changes.
-    """
-    key = (framework, opts.backend, opts.strategy, world)
+    """Each rank's environment; the live rendezvous when it was made for the same job shape."""
+    key = rendezvous_key(framework, opts, world)
     live = cluster.rendezvous.get(framework)
     if live is not None and live.key == key:
         return live.envs

@@ -8,6 +8,7 @@ more than one rank displayed something.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -29,8 +30,10 @@ class OutputRelay:
         out: TextIO,
         err: TextIO,
         labels: Sequence[int] | None = None,
+        noise: str | None = None,
     ) -> None:
         self.visible = visible
+        self._noise = re.compile(noise) if noise else None
         self.labels = list(labels) if labels is not None else list(range(len(visible)))
         self._sinks = {"stdout": out, "stderr": err}
         n = len(visible)
@@ -51,6 +54,8 @@ class OutputRelay:
                     continue
                 lines = (self._partial[name][rank] + new).split("\n")
                 self._partial[name][rank] = "" if final else lines.pop()
+                if self._noise is not None:
+                    lines = [ln for ln in lines if not self._noise.match(ln)]
                 held.extend((rank, line) for line in lines if line or not final)
             if held:
                 self._since.setdefault(name, now)

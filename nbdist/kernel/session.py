@@ -25,7 +25,7 @@ from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, default_workers
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import CellRecord
-from nbdist.kernel.job import Job, states
+from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, PerRank, RankResult
@@ -142,9 +142,11 @@ class Session:
             user_ns[opts.out] = scan
         return scan
 
-    def _run(
+    def _plan(
         self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
-    ) -> tuple[DistrainResult, Any]:
+    ) -> tuple[str, int, list[RankSpec]]:
+        """Check the flags, have the cluster and the rendezvous ready; (framework, world size,
+        one spec per rank that runs the cell)."""
         framework = prepare.choose_framework(tree, opts, self.framework)
         prepare.check_flags(opts, framework)
         push = prepare.check_push(opts.push, user_ns)
@@ -153,7 +155,7 @@ class Session:
         cluster = self.cluster
         cluster.preload = framework  # engines started from here on import it as they start
         cluster.ensure(opts.workers)
-        self.note_engines("the workers were restarted")
+        self.note_engines("the workers were restarted or resized")
         prepare.check_gpus(cluster, opts)
         options = prepare.backend_options(opts)
         available = cluster.size
@@ -168,7 +170,7 @@ class Session:
                 )
         prepare.warm_up(cluster, framework)
         live = cluster.rendezvous.get(framework)
-        if live is not None and live.key != (framework, opts.backend, opts.strategy, world):
+        if live is not None and live.key != prepare.rendezvous_key(framework, opts, world):
             self.drop(framework, "a new process group was needed for these flags")
         envs = prepare.rendezvous(cluster, framework, opts, world, options)
         self.note_engines("the workers were restarted")
@@ -194,6 +196,12 @@ class Session:
             )
             for e in (cluster.engines[r] for r in job_ranks)
         ]
+        return framework, world, specs
+
+    def _run(
+        self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
+    ) -> tuple[DistrainResult, Any]:
+        framework, world, specs = self._plan(opts, source, tree, user_ns)
         live_view = LiveView(
             len(specs),
             plot=opts.plot,
@@ -203,10 +211,10 @@ class Session:
             expect_metrics=may_log(tree, opts.autolog),
         )
         self.view = live_view
-        job = Job(cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
+        job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
                   world=world)  # fmt: skip
         outcome = job.run()
-        state, dropped = failures.settle(cluster, outcome, framework)
+        state, dropped = failures.settle(self.cluster, outcome, framework)
         meta = outcome.meta
         detail = (
             f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica "
@@ -220,13 +228,13 @@ class Session:
         )  # fmt: skip
         if summary is not None:
             print(summary, file=self.out, flush=True)
-        show_displays(outcome.ars, job_ranks, self._publish)
+        show_displays(outcome.ars, outcome.ranks, self._publish)
         error = failures.error_for(outcome, opts, on=opts.on)
         if state in ("dropped", "replaced"):
-            lost = sorted(set(dropped) | set(self.variables)) if state == "replaced" else dropped
+            lost = sorted({*dropped, *self.variables}) if state == "replaced" else dropped
             self.forget()
             if error is not None:
-                error.state = failures.state_line(state, lost, connected_stale=cluster.stale)
+                error.state = failures.state_line(state, lost, connected_stale=self.cluster.stale)
         elif error is not None:
             error.state = failures.state_line(state, [])
         if error is not None:
@@ -241,36 +249,41 @@ class Session:
                 framework=framework,
                 world_size=world,
                 autolog=opts.autolog,
-                push=push,
+                push=specs[0].push,
                 strategy=opts.strategy,
                 backend=opts.backend,
                 fresh=opts.fresh,
                 on=opts.on,
             )  # fmt: skip
         )
-        result = DistrainResult(
-            framework=framework,
-            world_size=len(specs),
-            wall=outcome.wall,
-            ranks=tuple(
-                RankResult(
-                    rank=s.rank,
-                    host=reports[p]["host"],
-                    value=reports[p]["value"],
-                    value_repr=reports[p]["value_repr"],
-                    wall=reports[p]["wall"],
-                    stdout=outcome.ars[p].stdout or "",
-                    stderr=outcome.ars[p].stderr or "",
-                )
-                for p, s in enumerate(specs)
-            ),
-            history=tuple({**h, "rank": job_ranks[h["rank"]]} for h in outcome.history),
-        )
+        result = _result(outcome, framework)
         pull_errors = [r["pull_error"] for r in reports.values() if r.get("pull_error")]
         if pull_errors:
             raise UsageError(f"%%distrain: {pull_errors[0]} (the cell itself ran).")
         user_ns.update(reports[0].get("pulled") or {})
         return result, shown_value(result)
+
+
+def _result(outcome: Outcome, framework: str) -> DistrainResult:
+    reports = outcome.reports
+    return DistrainResult(
+        framework=framework,
+        world_size=len(outcome.ranks),
+        wall=outcome.wall,
+        ranks=tuple(
+            RankResult(
+                rank=rank,
+                host=reports[p]["host"],
+                value=reports[p]["value"],
+                value_repr=reports[p]["value_repr"],
+                wall=reports[p]["wall"],
+                stdout=outcome.ars[p].stdout or "",
+                stderr=outcome.ars[p].stderr or "",
+            )
+            for p, rank in enumerate(outcome.ranks)
+        ),
+        history=tuple({**h, "rank": outcome.ranks[h["rank"]]} for h in outcome.history),
+    )
 
 
 def shown_value(result: DistrainResult) -> Any:

@@ -253,9 +253,14 @@ def test_timeout_stops_a_hung_rank(ready, magics):
 def test_worker_that_dies_is_reported_and_replaced(ready, magics):
     old = [e.pid for e in magics.cluster.engines]
     start = time.monotonic()
+    ready.run_cell_magic("distrain", "", "kept_until_now = rank\n")
     cell = "import os, time\nif rank == 1:\n    os._exit(3)\ndist.barrier()\n"
-    with pytest.raises(WorkerDied, match=r"rank 1 \(host .*, pid \d+\) died during the job"):
+    with pytest.raises(
+        WorkerDied, match=r"rank 1 \(host .*, pid \d+\) died during the job"
+    ) as info:
         ready.run_cell_magic("distrain", "", cell)
+    assert "The engines were replaced, and the workers' variables (" in str(info.value)
+    assert "kept_until_now" in str(info.value).splitlines()[-1]
     assert time.monotonic() - start < 30
     assert not set(old) & {e.pid for e in magics.cluster.engines}
     ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
@@ -263,9 +268,16 @@ def test_worker_that_dies_is_reported_and_replaced(ready, magics):
 
 
 def test_resize_with_notice(ready, magics, capsys):
+    ready.run_line_magic("distrain", "reset")
+    ready.run_cell_magic("distrain", "", "before_resize = 1\n")
     ready.run_cell_magic("distrain", "-n 1 -o res --framework torch", "world_size\n")
     assert ready.user_ns["res"].values == [1]
-    assert "resizing the cluster from 2 to 1 workers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resizing the cluster from 2 to 1 workers" in out
+    assert (
+        "nbdist: the workers were restarted or resized; their variables (before_resize) are "
+        "gone: re-run the cells that build them." in out
+    )
     ready.run_cell_magic("distrain", "-n 2 -o res --framework torch", "world_size\n")
     assert ready.user_ns["res"].values == [2, 2]
 

@@ -54,3 +54,20 @@ def test_hidden_ranks_and_stderr():
     ars = [SimpleNamespace(stdout="a\n", stderr=""), SimpleNamespace(stdout="b\n", stderr="oops\n")]
     relay.pump(ars, final=True)
     assert (out.getvalue(), err.getvalue()) == ("[rank 1] b\n", "[rank 1] oops\n")
+
+
+def test_framework_log_noise_is_left_out():
+    from nbdist.engine.backends.tf_mwms import OUTPUT_NOISE
+
+    out, err = io.StringIO(), io.StringIO()
+    relay = OutputRelay([True], out, err, noise=OUTPUT_NOISE)
+    info = "I0000 00:00:1796295494.300853    9290 coordination_service.cc:221] Initializing\n"
+    warn = "W0000 00:00:1796295495.144248    9290 dataset.cc:997] Input of GeneratorDatasetOp\n"
+    error = "E0000 00:00:1796295495.144248    9290 collective_ops.cc:12] peer lost\n"
+    relay.pump(
+        [SimpleNamespace(stdout="", stderr=info + warn + error + "Traceback: mine\n")], final=True
+    )
+    assert err.getvalue() == (
+        "[rank 0] E0000 00:00:1796295495.144248    9290 collective_ops.cc:12] peer lost\n"
+        "[rank 0] Traceback: mine\n"
+    )

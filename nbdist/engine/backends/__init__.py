@@ -6,6 +6,9 @@ A backend module provides:
     the ``--framework`` value it serves.
 ``KEEPS_RENDEZVOUS_AFTER_FAILURE``
     whether engines can run the next job on the same rendezvous after a rank failed.
+``OUTPUT_NOISE`` (optional)
+    a regular expression for lines of the framework's own logging that the cell's output
+    leaves out (they stay in the result's ``stderr``).
 ``workers_used(options, available)``
     how many of the available engines a job uses (1 for a single-process strategy).
 ``peer_release_s(options)``

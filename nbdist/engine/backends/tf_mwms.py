@@ -35,6 +35,12 @@ from nbdist.engine.state import EngineState
 
 NAME = "tf"
 KEEPS_RENDEZVOUS_AFTER_FAILURE = True
+# TensorFlow's C++ runtime logs through absl, which ignores TF_CPP_MIN_LOG_LEVEL for what it
+# writes before absl::InitializeLog: "I0000 00:00:1796295494.300853    9290 coordination_
+# service.cc:221] Initializing CoordinationService" and a dozen more per new strategy, captured
+# from the engine's stderr whenever they reach it before the task ends. These are INFO and
+# WARNING lines, the ones TF_CPP_MIN_LOG_LEVEL=2 asks TensorFlow to leave out; errors stay.
+OUTPUT_NOISE = r"[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.-]+:\d+\] "
 COLLECTIVE_TIMEOUT_S = 15.0
 STRATEGIES = ("multiworker", "mirrored")
 
