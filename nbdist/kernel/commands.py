@@ -73,8 +73,8 @@ def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str,
 
 
 def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> str:
+    values = check_push(names, user_ns, flag="%distrain push")
     _running(session, "push")
-    values = check_push(names, user_ns, flag="push")
     _on_all(session, "push", session_ops.push, values)
     session.variables = sorted({*session.variables, *names})
     return f"nbdist: pushed {', '.join(names)} to every worker"

@@ -64,20 +64,22 @@ def check_gpus(cluster: LocalCluster, opts: RunOptions) -> None:
         )
 
 
-def check_push(names: tuple[str, ...], user_ns: dict[str, Any], flag: str = "--push") -> dict:
+def check_push(
+    names: tuple[str, ...], user_ns: dict[str, Any], *, flag: str = "%%distrain: --push"
+) -> dict:
     """The notebook variables to push, or a ``UsageError`` naming the one that can't go."""
     values = {}
     for name in names:
         if name not in user_ns:
             raise UsageError(
-                f"%%distrain: {flag} {name}: no variable {name!r} in the notebook; define it "
+                f"{flag} {name}: no variable {name!r} in the notebook; define it "
                 "in a cell above, or check the spelling."
             )
         try:
             pickle.dumps(user_ns[name])
         except Exception as e:
             raise UsageError(
-                f"%%distrain: {flag} {name}: a {type(user_ns[name]).__name__} cannot be sent to "
+                f"{flag} {name}: a {type(user_ns[name]).__name__} cannot be sent to "
                 f"the workers ({type(e).__name__}: {e}). Push plain data (arrays, tensors, "
                 "dicts) and build objects like models and loaders inside the cell."
             ) from None

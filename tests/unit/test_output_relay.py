@@ -63,6 +63,10 @@ def test_framework_log_noise_is_left_out():
     relay = OutputRelay([True], out, err, noise=OUTPUT_NOISE)
     info = "I0000 00:00:1796295494.300853    9290 coordination_service.cc:221] Initializing\n"
     warn = "W0000 00:00:1796295495.144248    9290 dataset.cc:997] Input of GeneratorDatasetOp\n"
+    info += (
+        "I0000 00:00:1796296390.521591    4993 coordination_service.cc:505] Example stragglers:\n"
+    )
+    info += "/job:worker/replica:0/task:0\n"
     error = "E0000 00:00:1796295495.144248    9290 collective_ops.cc:12] peer lost\n"
     relay.pump(
         [SimpleNamespace(stdout="", stderr=info + warn + error + "Traceback: mine\n")], final=True

@@ -40,7 +40,11 @@ KEEPS_RENDEZVOUS_AFTER_FAILURE = True
 # service.cc:221] Initializing CoordinationService" and a dozen more per new strategy, captured
 # from the engine's stderr whenever they reach it before the task ends. These are INFO and
 # WARNING lines, the ones TF_CPP_MIN_LOG_LEVEL=2 asks TensorFlow to leave out; errors stay.
-OUTPUT_NOISE = r"[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.-]+:\d+\] "
+# One of them ("Example stragglers:") continues on a line of its own with a task name.
+OUTPUT_NOISE = (
+    r"[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.-]+:\d+\] "
+    r"|/job:\w+/replica:\d+/task:\d+$"
+)
 COLLECTIVE_TIMEOUT_S = 15.0
 STRATEGIES = ("multiworker", "mirrored")
 

@@ -1,0 +1,70 @@
+"""The session's line magics reject bad input with a UsageError before any engine is involved."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist.kernel.magic import DistrainMagics
+
+
+@pytest.fixture
+def idle(shell):
+    """A DistrainMagics of its own, whose cluster was never started."""
+    magics = DistrainMagics(shell)
+    yield magics
+    magics.close()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("reset now", "unrecognized arguments: now"),
+        ("pull", "the following arguments are required: names"),
+        ("pull 1x", "pull takes comma-separated variable names"),
+        ("pull w --rank x", "argument --rank: invalid int value: 'x'"),
+        ("compare", "the following arguments are required: name"),
+        ("compare a,b", "compare takes one variable name, e.g. compare model"),
+        ("auto maybe", "argument mode: invalid choice: 'maybe'"),
+        ("export train.txt", "'train.txt' should be a .py file, e.g. train.py"),
+        ("export /nonexistent-folder/train.py", "no folder /nonexistent-folder; create it first"),
+    ],
+)
+def test_bad_input_says_what_to_type(idle, line, message):
+    with pytest.raises(UsageError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        idle._subcommand(line)
+
+
+@pytest.mark.parametrize("command", ["reset", "pull w", "vars", "compare model"])
+def test_commands_that_need_workers_say_how_to_start_them(idle, command):
+    name = command.split()[0]
+    with pytest.raises(
+        UsageError,
+        match=rf"%distrain {name}: no workers are running; run a %%distrain cell \(or "
+        r"%distrain start\) first\.",
+    ):
+        idle._subcommand(command)
+
+
+def test_push_names_the_missing_variable_first(idle, shell):
+    shell.user_ns.pop("nothere", None)
+    with pytest.raises(UsageError, match="push nothere: no variable 'nothere' in the notebook"):
+        idle._subcommand("push nothere")
+
+
+def test_export_with_nothing_run_says_so(idle, tmp_path):
+    with pytest.raises(UsageError, match="no %%distrain cell has run since the workers were"):
+        idle._subcommand(f"export {tmp_path / 'train.py'}")
+
+
+def test_auto_mode_prefixes_plain_cells_only(idle, shell):
+    idle._subcommand("auto on")
+    try:
+        assert idle._auto_prefix(["x = 1\n"]) == ["%%distrain\n", "x = 1\n"]
+        assert idle._auto_prefix(["%%local\n", "x = 1\n"]) == ["%%local\n", "x = 1\n"]
+        assert idle._auto_prefix(["%distrain auto off\n"]) == ["%distrain auto off\n"]
+        assert idle._auto_prefix in shell.input_transformers_cleanup
+    finally:
+        idle._subcommand("auto off")
+    assert idle._auto_prefix not in shell.input_transformers_cleanup
+    assert idle._auto_prefix(["x = 1\n"]) == ["x = 1\n"]
