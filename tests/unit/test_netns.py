@@ -1,0 +1,153 @@
+"""The private network: a holder's namespace has only loopback, a joined process listens there
+and nowhere the notebook can reach; ipc socket names; the fallback when namespaces are refused."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbdist.kernel import netns as kernel_netns
+from nbdist.kernel.netns import MODE_ENV, PrivateNetwork
+
+JOIN_AND_LISTEN = """
+import os, socket, sys
+from nbdist.engine import netns
+netns.join_from_env()
+s = socket.socket(socket.AF_INET6)
+s.bind(("::", 0))  # every interface, as TensorFlow's gRPC server binds
+s.listen()
+print(s.getsockname()[1], os.readlink("/proc/self/ns/net"), flush=True)
+sys.stdin.read()
+"""
+
+
+def _interfaces(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.readlines()[2:]]
+
+
+@pytest.fixture
+def network(tmp_path):
+    net = PrivateNetwork(tmp_path)
+    yield net
+    net.stop()
+
+
+def _modes() -> list[str]:
+    return ["net", "user"] if os.geteuid() == 0 else ["user"]
+
+
+@pytest.mark.parametrize("mode", _modes())
+def test_joined_process_listens_only_on_the_private_loopback(network, monkeypatch, mode):
+    if mode == "user":  # what an unprivileged user gets; root can take that path too
+        monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: 1000)
+    network.start()
+    assert network.reason is None and network.private
+    assert network.user == (mode == "user")
+    holder = network.holder.pid
+    assert _interfaces(holder) == ["lo"]
+    assert os.readlink(f"/proc/{holder}/ns/net") != os.readlink("/proc/self/ns/net")
+    env = {**os.environ, **network.engine_env()}
+    child = subprocess.Popen(
+        [sys.executable, "-c", JOIN_AND_LISTEN],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port, ns = child.stdout.readline().split()
+        assert ns == os.readlink(f"/proc/{holder}/ns/net")
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex(("127.0.0.1", int(port))) == errno.ECONNREFUSED
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+    assert child.returncode == 0
+
+
+def test_holder_exits_when_stopped(network):
+    network.start()
+    holder, sockets = network.holder, network.sockets
+    network.stop()
+    assert holder.returncode == 0
+    assert not sockets.exists()
+
+
+def test_host_network_when_asked(network, monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "host")
+    network.start()
+    assert not network.private
+    assert network.reason == "NBDIST_ENGINE_NETWORK=host is set"
+    assert network.engine_env() == {}
+    assert network.sockets.is_dir()  # the controller still uses ipc sockets in it
+
+
+def test_refused_namespaces_fall_back_with_the_reason(network, monkeypatch):
+    """A platform that refuses unshare (seccomp, no user namespaces): the holder says why."""
+    monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(kernel_netns.sys, "executable", str(_refusing_python(network)))
+    network.start()
+    assert not network.private
+    assert network.reason == (
+        "this platform refused a private network (user+network namespace: unshare: Operation not "
+        "permitted)"
+    )
+
+
+def _refusing_python(network) -> Path:
+    """A Python whose unshare() fails with EPERM, as on a platform that forbids namespaces."""
+    folder = network._run_dir
+    script = folder / "python"
+    shim = folder / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import ctypes, errno\n"
+        "from nbdist.engine import netns\n"
+        "def refuse(*, user):\n"
+        "    raise OSError(errno.EPERM, 'unshare: Operation not permitted')\n"
+        "netns.unshare = refuse\n"
+    )
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={shim} exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_engine_that_cannot_join_exits(tmp_path):
+    env = {**os.environ, "NBDIST_NETNS_PID": "999999999", "NBDIST_PRELOAD": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "nbdist.engine.boot"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith(
+        "nbdist: engine could not join the cluster's private network: [Errno 2]"
+    )
+
+
+def test_link_names_each_bound_socket_as_ipyparallel_connects(network, tmp_path):
+    network.start()
+    info = tmp_path / "ipcontroller-engine.json"
+    info.write_text(
+        json.dumps({"interface": "ipc:///x/s", "registration": 101, "broadcast": [102, 103]})
+    )
+    network.link([str(info)])
+    network.link([str(info)])  # a second call (replaced engines) is harmless
+    links = {p.name: os.readlink(p) for p in network.sockets.iterdir()}
+    assert links == {"s:101": "s-101", "s:102": "s-102", "s:103": "s-103"}
+    assert network.controller_args() == [
+        "--IPController.transport=ipc",
+        f"--IPController.ip={network.sockets / 's'}",
+    ]
+    assert oct(network.sockets.stat().st_mode & 0o777) == "0o700"
