@@ -37,6 +37,7 @@ class RunOptions:
     plot: bool = True
     smoothing: float = 1.0
     scan: tuple[int, ...] | None = None
+    expose_tf: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,6 +146,13 @@ def run_parser() -> argparse.ArgumentParser:
         choices=("multiworker", "mirrored"),
         help="TensorFlow: MultiWorkerMirroredStrategy on every worker (default), or "
         "MirroredStrategy in one worker over its machine's GPUs",
+    )
+    p.add_argument(
+        "--expose-tf",
+        action="store_true",
+        help="TensorFlow multi-worker where the workers cannot get a private network (a "
+        "connected cluster, or namespaces refused): accept that their gRPC servers, which run "
+        "any code sent to them, are reachable by everyone who reaches the engines' hosts",
     )
     p.add_argument(
         "--push",
@@ -261,4 +269,5 @@ def parse_run_options(line: str) -> RunOptions:
         plot=ns.plot,
         smoothing=ns.smooth,
         scan=ns.scan,
+        expose_tf=ns.expose_tf,
     )

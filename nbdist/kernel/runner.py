@@ -42,6 +42,7 @@ from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, Rendezvous, default_workers
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import LastCell
+from nbdist.kernel.exposure import check_tf_exposure
 from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
@@ -313,6 +314,9 @@ class Runner:
         if opts.workers is not None:  # a connected cluster may have more engines than asked for
             available = min(opts.workers, available)
         world = backends.load(framework).workers_used(backend_options, available)
+        check_tf_exposure(
+            self.cluster, framework, backend_options, allowed=opts.expose_tf, notify=self._notify
+        )
         if opts.ranks is not None and max(opts.ranks) >= world:
             raise UsageError(
                 f"%%distrain: --ranks {max(opts.ranks)} does not exist; ranks go from 0 to "
