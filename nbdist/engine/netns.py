@@ -3,7 +3,11 @@
 The local cluster's engines run in one network namespace that has only a loopback interface
 (see :mod:`nbdist.kernel.netns`): whatever they listen on (TensorFlow's gRPC servers bind every
 interface, gloo, the TCPStore) is reachable from each other over its loopback and from no other
-namespace, so from no other host. Standard library only: this runs first thing in an engine.
+namespace, so from no other host. Standard library only: this runs first thing in an engine,
+and as the namespace's holder, run by path so that nothing but this file is imported (0.03 s
+instead of 0.15 s through the package, which imports IPython):
+
+    python -I -S nbdist/engine/netns.py {net,user}
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -88,3 +93,20 @@ def join_from_env() -> None:
     user = os.environ.pop(USER_NS_ENV, "") == "1"
     if holder:
         join(int(holder), user=user)
+
+
+def hold(mode: str) -> None:
+    """The holder: make the namespace, say ``ready``, keep it until stdin closes."""
+    try:
+        unshare(user=mode == "user")
+        loopback_up()
+        ipv4_only()
+    except OSError as e:
+        print(e.strerror or e, flush=True)
+        sys.exit(1)
+    print("ready", flush=True)
+    sys.stdin.read()
+
+
+if __name__ == "__main__":
+    hold(sys.argv[1])

@@ -141,14 +141,13 @@ class LocalCluster:
         config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
         folder = run_dir()
         self._start_reaper(folder)
-        self.network = PrivateNetwork(folder)
+        self.network = PrivateNetwork(self._record.sockets)
         start = time.perf_counter()
+        workers = f"{n} worker{'s' if n > 1 else ''}"
+        self._notify(f"nbdist: starting {workers} (local ipyparallel cluster on {LOOPBACK})")
         try:
-            self.network.start()
+            self.network.start()  # the holder starts meanwhile; its namespace is awaited below
             self._record_pids()
-            self._engine_env(config, n)
-            workers = f"{n} worker{'s' if n > 1 else ''}"
-            self._notify(f"nbdist: starting {workers} ({self._where()})")
             cluster = ipp.Cluster(
                 n=n,
                 # The hub registers an engine at its first heartbeat: with the default 3 s
@@ -171,6 +170,14 @@ class LocalCluster:
             atexit.register(self.stop)
             cluster.start_controller_sync()
             self._record_pids()
+            self.network.ready()
+            self._record_pids()
+            if not self.network.private:
+                self._notify(
+                    f"nbdist: the workers share this machine's network ({self.network.reason}); "
+                    "multi-worker TensorFlow jobs will need --expose-tf"
+                )
+            self._engine_env(cluster.config, n)
             self.network.link(self._connection_files())
             cluster.start_engines_sync(n)
             self._record_pids()
@@ -281,14 +288,6 @@ class LocalCluster:
                 )
             time.sleep(0.02)
         return files
-
-    def _where(self) -> str:
-        """Where the local cluster's engines listen, for the start notice. 127.0.0.1 is the
-        address ranks reach each other at: the private network's loopback when there is one."""
-        network = self.network
-        if network is None or network.private:
-            return f"local ipyparallel cluster on {LOOPBACK}"
-        return f"local ipyparallel cluster on {LOOPBACK} of this host's network: {network.reason}"
 
     def _stop_reaper(self) -> None:
         record, reaper = self._record, self._reaper

@@ -4,7 +4,7 @@ TensorFlow's gRPC servers (one per MultiWorkerMirroredStrategy worker) bind ever
 run whatever any client sends them. No TensorFlow option binds them to an address, so nbdist
 puts the engines where "every interface" means only a private loopback:
 
-* A *holder* process (``python -m nbdist.kernel.netns``, a child of the kernel) creates a network
+* A *holder* process (:func:`nbdist.engine.netns.hold`, a child of the kernel) creates a network
   namespace, brings its ``lo`` up and waits. As root it needs only ``unshare(CLONE_NEWNET)``;
   any other user gets an unprivileged user namespace around it (keeping its own uid and gid).
   It exits when the kernel closes its stdin (on stop, or when the kernel dies).
@@ -21,8 +21,6 @@ Where the platform refuses namespaces (no user namespaces for unprivileged users
 profile), or ``NBDIST_ENGINE_NETWORK=host`` asks for it, engines share the host's network as
 before; :attr:`PrivateNetwork.reason` says why, and a multi-worker TensorFlow job then needs
 ``--expose-tf`` (see :func:`nbdist.kernel.exposure.tf_exposure`).
-
-    python -m nbdist.kernel.netns {net,user}
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -49,45 +46,63 @@ SOCKET_BASE = "s"  # short: a unix socket path has at most 107 bytes
 class PrivateNetwork:
     """One local cluster's namespace holder and ipc socket folder (see the module docstring)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._run_dir = run_dir
+    def __init__(self, sockets: Path) -> None:
+        self._sockets = sockets
         self.holder: subprocess.Popen | None = None
         self.user = False
         self.sockets: Path | None = None
         self.reason: str | None = None  # why engines share the host's network (None: they don't)
+        self._modes: list[str] = []  # kinds of namespace still to try, the running holder's first
+        self._tried: list[str] = []  # what each failed kind said
 
     @property
     def private(self) -> bool:
         return self.holder is not None
 
     def start(self) -> None:
-        """Start the holder; on failure engines will use the host's network (``reason`` says)."""
-        self.sockets = Path(tempfile.mkdtemp(prefix="ipc-", dir=self._run_dir))
+        """Start the holder; :meth:`ready` waits for it (the controller starts meanwhile)."""
+        self._sockets.mkdir(mode=0o700)
+        self.sockets = self._sockets
         if os.environ.get(MODE_ENV, "private") == "host":
             self.reason = f"{MODE_ENV}=host is set"
             return
-        tried = []
-        for mode in ("net", "user") if os.geteuid() == 0 else ("user",):
-            holder = subprocess.Popen(
-                [sys.executable, "-m", "nbdist.kernel.netns", mode],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
+        self._modes = ["net", "user"] if os.geteuid() == 0 else ["user"]
+        self._tried = []
+        self._launch()
+
+    def _launch(self) -> None:
+        self.holder = subprocess.Popen(
+            [sys.executable, "-I", "-S", netns.__file__, self._modes[0]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def ready(self) -> None:
+        """Wait for the holder; on failure try the next kind of namespace, and at the end leave
+        engines on the host's network (``reason`` says why)."""
+        while self.holder is not None:
+            holder = self.holder
             try:
                 line = _first_line(holder, HOLDER_START_TIMEOUT_S)
             except TimeoutError:
                 line = f"no answer in {HOLDER_START_TIMEOUT_S} s"
             if line == "ready":
-                self.holder, self.user = holder, mode == "user"
-                self.reason = None
+                self.user = self._modes[0] == "user"
                 return
             holder.kill()
             holder.wait()
-            tried.append(f"{'user+' if mode == 'user' else ''}network namespace: {line}")
-        self.reason = "this platform refused a private network (" + "; ".join(tried) + ")"
-        log.info("engines use the host network: %s", self.reason)
+            holder.stdout.close()
+            holder.stdin.close()
+            mode = self._modes.pop(0)
+            self._tried.append(f"{'user+' if mode == 'user' else ''}network namespace: {line}")
+            self.holder = None
+            if self._modes:
+                self._launch()
+        if self.reason is None:
+            self.reason = "this platform refused a private network (" + "; ".join(self._tried) + ")"
+            log.info("engines use the host network: %s", self.reason)
 
     def controller_args(self) -> list[str]:
         """ipcontroller options: every socket an ipc endpoint in the private folder."""
@@ -146,20 +161,3 @@ def _first_line(proc: subprocess.Popen, timeout: float) -> str:
         if not sel.select(timeout):
             raise TimeoutError
     return proc.stdout.readline().strip() or f"exited with status {proc.wait()}"
-
-
-def hold(mode: str) -> None:
-    """The holder: make the namespace, say ``ready``, keep it until stdin closes."""
-    try:
-        netns.unshare(user=mode == "user")
-        netns.loopback_up()
-        netns.ipv4_only()
-    except OSError as e:
-        print(f"{e.strerror or e}", flush=True)
-        sys.exit(1)
-    print("ready", flush=True)
-    sys.stdin.read()
-
-
-if __name__ == "__main__":
-    hold(sys.argv[1])

@@ -13,12 +13,17 @@ stopped normally the record is removed and the reaper exits.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
 
-from nbdist.kernel.runfiles import kill_tree, parse_record, read_trusted, same_process
+from nbdist.kernel.runfiles import (
+    kill_tree,
+    parse_record,
+    read_trusted,
+    remove_record,
+    same_process,
+)
 
 POLL_S = 0.5
 
@@ -32,8 +37,7 @@ def watch(record: str) -> None:
             if not same_process(kernel):
                 for proc in procs:
                     kill_tree(proc)
-                with contextlib.suppress(OSError):
-                    os.unlink(record)
+                remove_record(record)
                 return
         time.sleep(POLL_S)
 

@@ -9,7 +9,8 @@ time still matches, and read a record only when this user owns it and nobody els
 
 A record is rewritten (atomically: ``mkstemp`` + ``os.replace``) as soon as each process exists:
 the network-namespace holder, the controller, each engine at launch (also while engines are
-replaced), so a kernel killed at any moment of a start leaves nothing running.
+replaced), so a kernel killed at any moment of a start leaves nothing running. Beside each
+record, ``<record>.ipc/`` (0700) holds the controller's sockets; it goes with the record.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -184,9 +186,28 @@ class RunRecord:
         self.procs = procs
         write_atomic(self.path, json.dumps({"kernel": self.kernel, "procs": procs}))
 
+    @property
+    def sockets(self) -> Path:
+        """The folder for this cluster's controller sockets, named after the record."""
+        return sockets_of(self.path)
+
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def sockets_of(record: str | Path) -> Path:
+    return Path(record).with_suffix(".ipc")
+
+
+def remove_record(record: str | Path) -> None:
+    """Delete a record and its sockets folder (a real folder, not a link to one)."""
+    folder = sockets_of(record)
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(folder).st_mode):
+            shutil.rmtree(folder)
+    with contextlib.suppress(OSError):
+        os.unlink(record)
 
 
 def clean_stale(directory: str | Path | None = None) -> int:
@@ -207,6 +228,5 @@ def clean_stale(directory: str | Path | None = None) -> int:
         if same_process(kernel):
             continue
         killed += sum(kill_tree(proc) for proc in procs)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        remove_record(path)
     return killed

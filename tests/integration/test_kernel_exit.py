@@ -137,7 +137,7 @@ def test_kernel_killed_while_engines_start_leaves_nothing(tmp_path, moment):
     finally:
         proc.kill()
         proc.wait()
-    for part in ("nbdist.engine.boot", "ipyparallel.controller", "nbdist.kernel.netns"):
+    for part in ("nbdist.engine.boot", "ipyparallel.controller", "nbdist/engine/netns.py"):
         assert part in cmds
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -146,8 +146,8 @@ def test_kernel_killed_while_engines_start_leaves_nothing(tmp_path, moment):
             break
         time.sleep(0.1)
     assert alive == []
-    # The reaper removed the record; only the planted files remain.
-    assert sorted(p.name for p in (tmp_path / "nbdist").glob("*.pids")) == [
+    # The reaper removed the record and the sockets folder; only the planted files remain.
+    assert sorted(p.name for p in (tmp_path / "nbdist").iterdir()) == [
         "nbdist-1-fifo.pids",
         "nbdist-2-locked.pids",
     ]

@@ -15,7 +15,7 @@ def _cluster(tmp_path, *, private: bool | None, owned: bool = True) -> LocalClus
     cluster = LocalCluster()
     cluster.owned = owned
     if private is not None:
-        cluster.network = PrivateNetwork(tmp_path)
+        cluster.network = PrivateNetwork(tmp_path / "x.ipc")
         if private:
             cluster.network.holder = object()  # what .private looks at
         else:

@@ -35,7 +35,7 @@ def _interfaces(pid: int) -> list[str]:
 
 @pytest.fixture
 def network(tmp_path):
-    net = PrivateNetwork(tmp_path)
+    net = PrivateNetwork(tmp_path / "nbdist-1-x.ipc")
     yield net
     net.stop()
 
@@ -49,6 +49,7 @@ def test_joined_process_listens_only_on_the_private_loopback(network, monkeypatc
     if mode == "user":  # what an unprivileged user gets; root can take that path too
         monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: 1000)
     network.start()
+    network.ready()
     assert network.reason is None and network.private
     assert network.user == (mode == "user")
     holder = network.holder.pid
@@ -76,6 +77,7 @@ def test_joined_process_listens_only_on_the_private_loopback(network, monkeypatc
 
 def test_holder_exits_when_stopped(network):
     network.start()
+    network.ready()
     holder, sockets = network.holder, network.sockets
     network.stop()
     assert holder.returncode == 0
@@ -85,38 +87,46 @@ def test_holder_exits_when_stopped(network):
 def test_host_network_when_asked(network, monkeypatch):
     monkeypatch.setenv(MODE_ENV, "host")
     network.start()
+    network.ready()
     assert not network.private
     assert network.reason == "NBDIST_ENGINE_NETWORK=host is set"
     assert network.engine_env() == {}
     assert network.sockets.is_dir()  # the controller still uses ipc sockets in it
 
 
-def test_refused_namespaces_fall_back_with_the_reason(network, monkeypatch):
-    """A platform that refuses unshare (seccomp, no user namespaces): the holder says why."""
-    monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: 1000)
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_refused_namespaces_fall_back_with_the_reason(network, monkeypatch, euid):
+    """A platform that refuses unshare (seccomp, no user namespaces): the holder says why; root
+    tries a plain network namespace first, then a user+network one."""
+    monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: euid)
     monkeypatch.setattr(kernel_netns.sys, "executable", str(_refusing_python(network)))
     network.start()
+    network.ready()
     assert not network.private
-    assert network.reason == (
-        "this platform refused a private network (user+network namespace: unshare: Operation not "
-        "permitted)"
-    )
+    tried = "user+network namespace: unshare: Operation not permitted"
+    if euid == 0:
+        tried = f"network namespace: unshare: Operation not permitted; {tried}"
+    assert network.reason == f"this platform refused a private network ({tried})"
+    assert network.holder is None and network.engine_env() == {}
 
 
 def _refusing_python(network) -> Path:
-    """A Python whose unshare() fails with EPERM, as on a platform that forbids namespaces."""
-    folder = network._run_dir
-    script = folder / "python"
-    shim = folder / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(
-        "import ctypes, errno\n"
-        "from nbdist.engine import netns\n"
+    """A Python whose unshare() fails with EPERM, as on a platform that forbids namespaces: it
+    runs the real holder file, with only ``unshare`` replaced."""
+    folder = network._sockets.parent
+    (folder / "refuse.py").write_text(
+        "import errno, importlib.util, sys\n"
+        "path, mode = [a for a in sys.argv[1:] if a not in ('-I', '-S')]\n"
+        "spec = importlib.util.spec_from_file_location('netns', path)\n"
+        "netns = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(netns)\n"
         "def refuse(*, user):\n"
         "    raise OSError(errno.EPERM, 'unshare: Operation not permitted')\n"
         "netns.unshare = refuse\n"
+        "netns.hold(mode)\n"
     )
-    script.write_text(f'#!/bin/sh\nPYTHONPATH={shim} exec {sys.executable} "$@"\n')
+    script = folder / "python"
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {folder / "refuse.py"} "$@"\n')
     script.chmod(0o755)
     return script
 
@@ -138,6 +148,7 @@ def test_engine_that_cannot_join_exits(tmp_path):
 
 def test_link_names_each_bound_socket_as_ipyparallel_connects(network, tmp_path):
     network.start()
+    network.ready()
     info = tmp_path / "ipcontroller-engine.json"
     info.write_text(
         json.dumps({"interface": "ipc:///x/s", "registration": 101, "broadcast": [102, 103]})

@@ -154,9 +154,12 @@ def test_reaper_treats_a_recycled_kernel_pid_as_gone(tmp_path, sleepers):
         (os.getpid(), _ct(os.getpid()) - 60),
         [(leftover.pid, _ct(leftover.pid))],
     )
+    sockets = runfiles.sockets_of(path)
+    sockets.mkdir(mode=0o700)
+    (sockets / "s-1234").write_text("")
     reaper.watch(str(path))
     assert leftover.wait(timeout=10) == -9
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # the record and its sockets folder are gone
 
 
 def test_run_record_is_private_and_atomic(tmp_path, sleepers):
@@ -171,6 +174,7 @@ def test_run_record_is_private_and_atomic(tmp_path, sleepers):
     }
     assert [p.name for p in tmp_path.iterdir()] == [record.path.name]  # no temporary left
     assert record.path.name.startswith(f"nbdist-{os.getpid()}-")
+    assert record.sockets == tmp_path / (record.path.stem + ".ipc")
     record.remove()
     assert list(tmp_path.iterdir()) == []
 
