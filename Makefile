@@ -33,6 +33,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/log_cost.py
+	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
 
 lint: $(STAMP)
