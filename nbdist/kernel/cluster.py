@@ -11,12 +11,10 @@ import atexit
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nbdist.engine import worker
@@ -28,8 +26,8 @@ from nbdist.engine.hardware import (
     visible_gpus,
 )
 from nbdist.errors import ClusterError
-from nbdist.kernel.netns import PrivateNetwork
-from nbdist.kernel.runfiles import RunRecord, clean_stale, run_dir
+from nbdist.kernel.netns import PrivateNetwork, wait_for_files
+from nbdist.kernel.runfiles import Reaper, clean_stale, run_dir
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +88,7 @@ class LocalCluster:
         self._notify = notify
         self._cluster: Any = None
         self._client: Any = None
-        self._reaper: subprocess.Popen | None = None
-        self._record: RunRecord | None = None
+        self._reaper: Reaper | None = None  # the run record, and the process that watches it
         self.network: PrivateNetwork | None = None
         self.engines: list[EngineInfo] = []
         self.warm: set[str] = set()
@@ -140,8 +137,8 @@ class LocalCluster:
         config.LocalProcessLauncher.stop_seconds_until_kill = 1
         config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
         folder = run_dir()
-        self._start_reaper(folder)
-        self.network = PrivateNetwork(self._record.sockets)
+        self._reaper = Reaper(folder)
+        self.network = PrivateNetwork(self._reaper.record.sockets)
         start = time.perf_counter()
         workers = f"{n} worker{'s' if n > 1 else ''}"
         self._notify(f"nbdist: starting {workers} (local ipyparallel cluster on {LOOPBACK})")
@@ -178,7 +175,7 @@ class LocalCluster:
                     "multi-worker TensorFlow jobs will need --expose-tf"
                 )
             self._engine_env(cluster.config, n)
-            self.network.link(self._connection_files())
+            self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
             cluster.start_engines_sync(n)
             self._record_pids()
             self._client = cluster.connect_client_sync()
@@ -218,7 +215,9 @@ class LocalCluster:
             cluster.stop_cluster_sync()
         if self.network is not None:
             self.network.stop()
-        self._stop_reaper()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.stop()
 
     @staticmethod
     def _shutdown_engines(client: Any, pids: list[int]) -> None:
@@ -248,20 +247,10 @@ class LocalCluster:
             except psutil.NoSuchProcess:
                 pass
 
-    def _start_reaper(self, folder: Path) -> None:
-        self._record = RunRecord(folder)
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.kernel.reaper", str(self._record.path)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
     def _record_pids(self) -> None:
         """Write every process of this cluster that exists now to the run record: the reaper
         can then clean up after a kernel killed at any point of a start or a replacement."""
-        if self._record is None:
+        if self._reaper is None:
             return
         network = self.network
         pids = [network.holder.pid if network is not None and network.holder else None]
@@ -272,34 +261,7 @@ class LocalCluster:
             for engine_set in cluster.engines.values():
                 pids += [launcher.pid for launcher in engine_set.launchers.values()]
         pids += [e.pid for e in self.engines]
-        self._record.write(dict.fromkeys(pids))
-
-    def _connection_files(self) -> list[str]:
-        """The controller's connection files, once it has written them."""
-        files = list(self._cluster.controller.connection_files.values())
-        deadline = time.monotonic() + CONNECTION_FILES_TIMEOUT_S
-        while not all(os.path.exists(f) for f in files):
-            if self._cluster.controller.poll() is not None:
-                raise ClusterError("the ipyparallel controller exited while starting")
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"the ipyparallel controller wrote no connection file within "
-                    f"{CONNECTION_FILES_TIMEOUT_S} s"
-                )
-            time.sleep(0.02)
-        return files
-
-    def _stop_reaper(self) -> None:
-        record, reaper = self._record, self._reaper
-        self._record = self._reaper = None
-        if record is not None:
-            record.remove()
-        if reaper is not None:
-            try:
-                reaper.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                reaper.kill()
-                reaper.wait()
+        self._reaper.record.write(dict.fromkeys(pids))
 
     def connect(
         self,

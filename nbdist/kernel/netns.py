@@ -31,10 +31,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from nbdist.engine import netns
+from nbdist.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,21 @@ class PrivateNetwork:
                     entry.unlink()
             with contextlib.suppress(OSError):
                 sockets.rmdir()
+
+
+def wait_for_files(controller: Any, timeout: float) -> list[str]:
+    """The controller's connection files, once it has written them."""
+    files = list(controller.connection_files.values())
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(f) for f in files):
+        if controller.poll() is not None:
+            raise ClusterError("the ipyparallel controller exited while starting")
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"the ipyparallel controller wrote no connection file within {timeout:.0f} s"
+            )
+        time.sleep(0.02)
+    return files
 
 
 def _first_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -22,6 +22,8 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -194,6 +196,30 @@ class RunRecord:
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+class Reaper:
+    """A cluster's run record and the reaper process that watches it (:mod:`.reaper`), started
+    in its own session so that the kernel's death does not take it along."""
+
+    def __init__(self, folder: Path) -> None:
+        self.record = RunRecord(folder)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nbdist.kernel.reaper", str(self.record.path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        """Remove the record (the cluster is stopped): the reaper sees it go and exits."""
+        self.record.remove()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def sockets_of(record: str | Path) -> Path:

@@ -162,3 +162,43 @@ def test_link_names_each_bound_socket_as_ipyparallel_connects(network, tmp_path)
         f"--IPController.ip={network.sockets / 's'}",
     ]
     assert oct(network.sockets.stat().st_mode & 0o777) == "0o700"
+
+
+def _controller(tmp_path, code: str):
+    from ipyparallel.cluster.launcher import LocalControllerLauncher
+
+    launcher = LocalControllerLauncher(
+        controller_cmd=[sys.executable, "-c", code], profile_dir=str(tmp_path), cluster_id="t"
+    )
+    launcher.start()
+    return launcher
+
+
+def test_wait_for_files_reports_a_controller_that_exits(tmp_path):
+    from nbdist import ClusterError
+    from nbdist.kernel.netns import wait_for_files
+
+    launcher = _controller(tmp_path, "raise SystemExit(3)")
+    with pytest.raises(ClusterError, match="^the ipyparallel controller exited while starting$"):
+        wait_for_files(launcher, 30)
+
+
+def test_wait_for_files_gives_up(tmp_path):
+    from nbdist import ClusterError
+    from nbdist.kernel.netns import wait_for_files
+
+    launcher = _controller(tmp_path, "import time; time.sleep(60)")
+    try:
+        with pytest.raises(ClusterError, match="wrote no connection file within 1 s$"):
+            wait_for_files(launcher, 1)
+    finally:
+        launcher.signal(9)
+        launcher.process.wait()
+    security = tmp_path / "security"
+    security.mkdir()
+    for kind in ("client", "engine"):
+        (security / f"ipcontroller-t-{kind}.json").write_text("{}")
+    assert wait_for_files(launcher, 1) == [
+        str(security / "ipcontroller-t-client.json"),
+        str(security / "ipcontroller-t-engine.json"),
+    ]
