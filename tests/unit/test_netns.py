@@ -202,3 +202,57 @@ def test_wait_for_files_gives_up(tmp_path):
         str(security / "ipcontroller-t-client.json"),
         str(security / "ipcontroller-t-engine.json"),
     ]
+
+
+UNPRIVILEGED = """
+import errno, os, socket, subprocess, sys
+path = sys.argv[1]
+holder = subprocess.Popen(
+    [sys.executable, "-I", "-S", path, "user"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+)
+said = holder.stdout.readline().strip()
+ifaces = [l.split(":")[0].strip() for l in open(f"/proc/{holder.pid}/net/dev").readlines()[2:]]
+code = f'''
+import importlib.util, os, socket, sys
+spec = importlib.util.spec_from_file_location("netns", {path!r})
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+m.join({holder.pid}, user=True)
+s = socket.socket(socket.AF_INET6)
+s.bind(("::", 0))
+s.listen()
+print(s.getsockname()[1], os.getuid(), os.readlink("/proc/self/ns/net"), flush=True)
+sys.stdin.read()
+'''
+child = subprocess.Popen(
+    [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+)
+port, uid, ns = child.stdout.readline().split()
+with socket.socket() as s:
+    refused = errno.errorcode.get(s.connect_ex(("127.0.0.1", int(port))))
+child.stdin.close()
+child.wait()
+holder.stdin.close()
+holder.wait()
+outside = ns != os.readlink("/proc/self/ns/net")
+print(said, ifaces, os.getuid(), int(uid), outside, refused, holder.returncode)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+    reason="needs root and setpriv to run as another, unprivileged uid",
+)
+def test_unprivileged_user_gets_a_private_network():
+    """As uid 4242 with no capabilities: the holder makes a user+network namespace, a process
+    joins it keeping its uid, and what it listens on is refused from the namespace outside. The
+    system Python runs it: the holder and the join use only the standard library."""
+    from nbdist.engine import netns
+
+    out = subprocess.run(
+        ["/usr/bin/setpriv", "--reuid=4242", "--regid=4242", "--clear-groups",
+         "/usr/bin/python3", "-c", UNPRIVILEGED, netns.__file__],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert out.stdout == "ready ['lo'] 4242 4242 True ECONNREFUSED 0\n", out.stderr
