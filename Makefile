@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/log_cost.py
 	$(PY) benchmarks/session_cell.py
+	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
 
 lint: $(STAMP)

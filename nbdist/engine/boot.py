@@ -6,6 +6,10 @@ the engine imports it *before* it starts and registers: torch takes ~2.5 s to im
 paying the imports here rather than in a warm-up call after registration shortens a cold start.
 Nothing else differs from a plain ``ipengine``; a failed preload is only logged (the warm-up call
 imports again and reports properly).
+
+Before anything else (before any thread starts), an engine of a local cluster joins the cluster's
+private network namespace (:mod:`nbdist.engine.netns`); if it cannot, it exits rather than run
+on the host's network unannounced.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ import sys
 
 
 def main() -> None:
+    from nbdist.engine import netns
+
+    try:
+        netns.join_from_env()
+    except OSError as e:
+        print(f"nbdist: engine could not join the cluster's private network: {e}", file=sys.stderr)
+        sys.exit(1)
     framework = os.environ.pop("NBDIST_PRELOAD", "")
     if framework:
         try:

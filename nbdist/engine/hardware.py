@@ -29,6 +29,65 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
+GPU_QUERY = ["--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
+APPS_QUERY = ["--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"]
+
+
+def parse_gpu_holders(gpus_csv: str, apps_csv: str) -> dict[str, list[tuple[int, int | None]]]:
+    """``nvidia-smi`` CSV output → {GPU index: [(pid, MiB or None), ...]} of the processes
+    holding memory on each GPU (MiB is None where nvidia-smi says ``[N/A]``)."""
+    index_of = {}
+    for line in gpus_csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            index_of[parts[1]] = parts[0]
+    holders: dict[str, list[tuple[int, int | None]]] = {}
+    for line in apps_csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3 or parts[0] not in index_of or not parts[1].isdigit():
+            continue
+        mib = int(parts[2]) if parts[2].isdigit() else None
+        holders.setdefault(index_of[parts[0]], []).append((int(parts[1]), mib))
+    return holders
+
+
+def gpu_holders() -> dict[str, list[tuple[int, int | None]]]:
+    """Processes already holding memory on each GPU, from ``nvidia-smi`` ({} without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        gpus, apps = (
+            subprocess.run([smi, *q], capture_output=True, text=True, timeout=10, check=True).stdout
+            for q in (GPU_QUERY, APPS_QUERY)
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_gpu_holders(gpus, apps)
+
+
+def busy_gpus_notice(
+    visible: list[str], holders: dict[str, list[tuple[int, int | None]]], *, me: int
+) -> str | None:
+    """One line for the start notice when a visible GPU already has memory held on it."""
+    parts = []
+    for gpu in visible:
+        procs = holders.get(gpu)
+        if not procs:
+            continue
+        known = [m for _, m in procs if m is not None]
+        size = f"{sum(known):,} MiB" if known else "memory"
+        who = ", ".join(f"{pid} (this kernel)" if pid == me else str(pid) for pid, _ in procs)
+        parts.append(f"GPU {gpu}: {size} held by pid{'s' if len(procs) > 1 else ''} {who}")
+    if not parts:
+        return None
+    return (
+        "nbdist: another process already uses a GPU the workers will use ("
+        + "; ".join(parts)
+        + "): they share its memory and compute. Set CUDA_VISIBLE_DEVICES to choose others."
+    )
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's count)."""
     try:

@@ -11,23 +11,30 @@ import atexit
 import logging
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import worker
-from nbdist.engine.hardware import is_loopback, usable_cpus, visible_gpus
+from nbdist.engine.hardware import (
+    busy_gpus_notice,
+    gpu_holders,
+    is_loopback,
+    usable_cpus,
+    visible_gpus,
+)
 from nbdist.errors import ClusterError
+from nbdist.kernel.netns import PrivateNetwork, wait_for_files
+from nbdist.kernel.runfiles import Reaper, clean_stale, run_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_WORKERS = 2
 ENGINE_START_TIMEOUT_S = 120
 HEARTBEAT_MS = 500
+CONNECTION_FILES_TIMEOUT_S = 30
 LOOPBACK = "127.0.0.1"
 LOCAL_SOURCE = f"a local ipyparallel cluster ({LOOPBACK})"
 
@@ -35,38 +42,6 @@ LOCAL_SOURCE = f"a local ipyparallel cluster ({LOOPBACK})"
 def default_workers() -> int:
     """One worker per visible GPU; 2 on a CPU-only machine."""
     return len(visible_gpus()) or DEFAULT_CPU_WORKERS
-
-
-def clean_stale(directory: str | None = None) -> int:
-    """Kill the cluster processes of kernels that died without stopping them; returns how many.
-
-    The reaper normally does this; this catches what it could not (say the reaper was killed
-    too). Each running cluster has a PID file ``nbdist-<kernel pid>-*.pids`` in the temp
-    directory; one whose kernel is gone belongs to nobody.
-    """
-    import glob
-
-    import psutil
-
-    from nbdist.kernel.reaper import _kill_tree, _read_pids
-
-    killed = 0
-    for path in glob.glob(os.path.join(directory or tempfile.gettempdir(), "nbdist-*-*.pids")):
-        try:
-            kernel_pid = int(os.path.basename(path).split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if psutil.pid_exists(kernel_pid):
-            continue
-        for pid in _read_pids(path):
-            if psutil.pid_exists(pid):
-                _kill_tree(pid)
-                killed += 1
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return killed
 
 
 @dataclass(frozen=True)
@@ -113,8 +88,8 @@ class LocalCluster:
         self._notify = notify
         self._cluster: Any = None
         self._client: Any = None
-        self._reaper: subprocess.Popen | None = None
-        self._pidfile: str | None = None
+        self._reaper: Reaper | None = None  # the run record, and the process that watches it
+        self.network: PrivateNetwork | None = None
         self.engines: list[EngineInfo] = []
         self.warm: set[str] = set()
         self.rendezvous: dict[str, Rendezvous] = {}
@@ -124,6 +99,9 @@ class LocalCluster:
         self.owned = True
         self.source = LOCAL_SOURCE
         self.stale: str | None = None  # why a connected cluster cannot run jobs any more
+        self.exposure_told = False  # --expose-tf's notice shown for this cluster
+        # CurveZMQ on every controller socket (benchmarks/curve_cost.py turns it off to compare).
+        self.curve = True
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -142,9 +120,12 @@ class LocalCluster:
         if self.running:
             return
         self.owned, self.source = True, LOCAL_SOURCE
-        self.stale = None
+        self.stale, self.exposure_told = None, False
         n = n or default_workers()
         self._check_gpus(n)
+        busy = busy_gpus_notice(visible_gpus(), gpu_holders(), me=os.getpid())
+        if busy:
+            self._notify(busy)
         cleaned = clean_stale()
         if cleaned:
             self._notify(
@@ -155,31 +136,48 @@ class LocalCluster:
         # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
         config.LocalProcessLauncher.stop_seconds_until_kill = 1
         config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
-        self._engine_env(config, n)
+        folder = run_dir()
+        self._reaper = Reaper(folder)
+        self.network = PrivateNetwork(self._reaper.record.sockets)
+        start = time.perf_counter()
         workers = f"{n} worker{'s' if n > 1 else ''}"
         self._notify(f"nbdist: starting {workers} (local ipyparallel cluster on {LOOPBACK})")
-        start = time.perf_counter()
-        cluster = ipp.Cluster(
-            n=n,
-            controller_ip=LOOPBACK,
-            # The hub registers an engine at its first heartbeat: with the default 3 s period,
-            # engines wait ~4 s idle before they are usable. 0.5 s brings a cold start from ~7 s
-            # to ~3 s; 20 misses: a silent engine counts as dead after 10 s (default 30 s).
-            controller_args=[
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
-            ],
-            # WARNING would print every replaced engine's whole log into the cell.
-            log_level=logging.ERROR,
-            config=config,
-            load_profile=False,
-        )
         try:
-            self._start_reaper()
-            cluster.start_cluster_sync()
+            self.network.start()  # the holder starts meanwhile; its namespace is awaited below
+            self._record_pids()
+            cluster = ipp.Cluster(
+                n=n,
+                # The hub registers an engine at its first heartbeat: with the default 3 s
+                # period, engines wait ~4 s idle before they are usable. 0.5 s brings a cold
+                # start from ~7 s to ~3 s; 20 misses: a silent engine counts as dead after 10 s.
+                controller_args=[
+                    f"--HeartMonitor.period={HEARTBEAT_MS}",
+                    f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
+                    # Every message between kernel, controller and engines encrypted.
+                    f"--IPController.enable_curve={self.curve}",
+                    *self.network.controller_args(),
+                ],
+                # WARNING would print every replaced engine's whole log into the cell.
+                log_level=logging.ERROR,
+                config=config,
+                load_profile=False,
+            )
             self._cluster = cluster
             # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
             atexit.register(self.stop)
+            cluster.start_controller_sync()
+            self._record_pids()
+            self.network.ready()
+            self._record_pids()
+            if not self.network.private:
+                self._notify(
+                    f"nbdist: the workers share this machine's network ({self.network.reason}); "
+                    "multi-worker TensorFlow jobs will need --expose-tf"
+                )
+            self._engine_env(cluster.config, n)
+            self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
+            cluster.start_engines_sync(n)
+            self._record_pids()
             self._client = cluster.connect_client_sync()
             self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
             self._learn_engines()
@@ -215,7 +213,11 @@ class LocalCluster:
                 log.debug("client close failed", exc_info=True)
         if cluster is not None:
             cluster.stop_cluster_sync()
-        self._stop_reaper()
+        if self.network is not None:
+            self.network.stop()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.stop()
 
     @staticmethod
     def _shutdown_engines(client: Any, pids: list[int]) -> None:
@@ -245,35 +247,21 @@ class LocalCluster:
             except psutil.NoSuchProcess:
                 pass
 
-    def _start_reaper(self) -> None:
-        fd, self._pidfile = tempfile.mkstemp(prefix=f"nbdist-{os.getpid()}-", suffix=".pids")
-        os.close(fd)
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.kernel.reaper", str(os.getpid()), self._pidfile],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    def _write_pidfile(self) -> None:
-        pids = [self._cluster.controller.pid, *(e.pid for e in self.engines)]
-        tmp = self._pidfile + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(" ".join(map(str, pids)))
-        os.replace(tmp, self._pidfile)
-
-    def _stop_reaper(self) -> None:
-        pidfile, reaper = self._pidfile, self._reaper
-        self._pidfile = self._reaper = None
-        if pidfile is not None and os.path.exists(pidfile):
-            os.unlink(pidfile)
-        if reaper is not None:
-            try:
-                reaper.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                reaper.kill()
-                reaper.wait()
+    def _record_pids(self) -> None:
+        """Write every process of this cluster that exists now to the run record: the reaper
+        can then clean up after a kernel killed at any point of a start or a replacement."""
+        if self._reaper is None:
+            return
+        network = self.network
+        pids = [network.holder.pid if network is not None and network.holder else None]
+        cluster = self._cluster
+        if cluster is not None:
+            if cluster.controller is not None:
+                pids.append(cluster.controller.pid)
+            for engine_set in cluster.engines.values():
+                pids += [launcher.pid for launcher in engine_set.launchers.values()]
+        pids += [e.pid for e in self.engines]
+        self._reaper.record.write(dict.fromkeys(pids))
 
     def connect(
         self,
@@ -289,6 +277,12 @@ class LocalCluster:
         """
         import ipyparallel as ipp
 
+        from nbdist.kernel.connfile import check_connection_file, check_profile
+
+        if url_file is not None:
+            check_connection_file(url_file)
+        else:
+            check_profile(profile=profile, profile_dir=profile_dir, cluster_id=cluster_id)
         if self.running:
             self._notify("nbdist: leaving the current cluster for the one to connect to")
             self.stop()
@@ -324,7 +318,7 @@ class LocalCluster:
             ) from None
         self._client, self._cluster = client, None
         self.owned, self.source = False, f"a connected ipyparallel cluster ({where})"
-        self.stale = None
+        self.stale, self.exposure_told = None, False
         self._forget_engines()
         try:
             self._learn_engines(timeout=timeout)
@@ -388,8 +382,10 @@ class LocalCluster:
         self._shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
+        self._record_pids()
         self._engine_env(self._cluster.config, n)
         self._cluster.start_engines_sync(n)
+        self._record_pids()
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while len(self._client.ids) != n:
             if time.monotonic() > deadline:
@@ -406,6 +402,8 @@ class LocalCluster:
         # imported by the warm-up call, after the engine registered.
         preload = self.preload if self.preload == "torch" else None
         env = {"NBDIST_PRELOAD": preload or ""}
+        if self.network is not None:
+            env.update(self.network.engine_env())
         if "OMP_NUM_THREADS" not in os.environ:
             # As torchrun does: OpenMP pools sized before the framework starts. Setting torch's
             # threads later is not enough; measured here, 2 workers' steps were ~6% slower.
@@ -485,7 +483,7 @@ class LocalCluster:
             self._client[ids].map_sync(worker.set_address, [e.address for e in engines])
         self.engines = engines
         if self.owned:
-            self._write_pidfile()
+            self._record_pids()
 
     def _controller_host(self) -> str:
         """The controller's address as the client reached it: engines find the interface they
@@ -524,11 +522,19 @@ class LocalCluster:
             if targets:
                 self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
             return
+        import psutil
+
         for r in ranks:
             try:
-                os.kill(self.engines[r].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                engine = psutil.Process(self.engines[r].pid)
+                procs = [engine, *engine.children(recursive=True)]  # what the cell started
+            except psutil.NoSuchProcess:
+                continue
+            for proc in procs:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
 
     def dead(self, ranks: Sequence[int]) -> list[int]:
         """Which of ``ranks`` have an engine process that is gone (or a zombie)."""

@@ -186,8 +186,6 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     for name in ("start", "restart"):
         sp = sub.add_parser(name, add_help=False)
         sp.add_argument("-n", "--workers", type=_positive_int, metavar="N")
-    check = sub.add_parser("check", add_help=False)
-    check.add_argument("source", nargs="+")
     sub.add_parser("stop", add_help=False)
     sub.add_parser("status", add_help=False)
     connect = sub.add_parser("connect", add_help=False)
@@ -295,7 +293,29 @@ class DistrainMagics(Magics):
             return lines
         return ["%%distrain\n", *lines]
 
+    def _check(self, text: str) -> None:
+        """``%distrain check SOURCE``: SOURCE as typed (shlex would eat its quotes)."""
+        if not text:
+            raise UsageError(
+                "%distrain check needs code or the name of a string variable holding it, "
+                "e.g. %distrain check my_cell"
+            )
+        value = self.shell.user_ns.get(text)
+        source = value if isinstance(value, str) else text
+        try:
+            ast.parse(source)
+        except SyntaxError as e:
+            self._notify(
+                f"nbdist check: the code does not parse (line {e.lineno}: {e.msg}); "
+                "nothing was checked"
+            )
+            return
+        self.session.report_findings(source, self.cluster.size or None, quiet=False)
+
     def _subcommand(self, line: str) -> Any:
+        words = line.split(None, 1)
+        if words and words[0] == "check":
+            return self._check(words[1].strip() if len(words) > 1 else "")
         try:
             argv = shlex.split(line)
         except ValueError as e:
@@ -341,11 +361,6 @@ class DistrainMagics(Magics):
             print(cluster.connected_text())
         elif ns.command == "export":
             self._export(ns.path, ns.force)
-        elif ns.command == "check":
-            text = " ".join(ns.source)
-            value = self.shell.user_ns.get(text)
-            source = value if isinstance(value, str) else text
-            session.report_findings(source, cluster.size or None, quiet=False)
         elif ns.command == "reset":
             print(commands.reset(session))
         elif ns.command == "pull":

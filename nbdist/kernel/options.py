@@ -40,6 +40,7 @@ class RunOptions:
     scan: tuple[int, ...] | None = None
     fresh: bool = False
     on: tuple[int, ...] | None = None
+    expose_tf: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,6 +151,13 @@ def run_parser() -> argparse.ArgumentParser:
         choices=("multiworker", "mirrored"),
         help="TensorFlow: MultiWorkerMirroredStrategy on every worker (default), or "
         "MirroredStrategy in one worker over its machine's GPUs",
+    )
+    p.add_argument(
+        "--expose-tf",
+        action="store_true",
+        help="TensorFlow multi-worker where the workers cannot get a private network (a "
+        "connected cluster, or namespaces refused): accept that their gRPC servers, which run "
+        "any code sent to them, are reachable by everyone who reaches the engines' hosts",
     )
     p.add_argument(
         "--push",
@@ -281,4 +289,5 @@ def parse_run_options(line: str) -> RunOptions:
         scan=ns.scan,
         fresh=ns.fresh or ns.scan is not None,
         on=tuple(sorted(set(ns.on))) if ns.on is not None else None,
+        expose_tf=ns.expose_tf,
     )

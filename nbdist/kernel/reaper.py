@@ -3,11 +3,12 @@
 A kernel that is killed outright (nbval and Jupyter's forced restarts send SIGKILL) runs no
 atexit handler, and its controller and engines would keep running, holding memory and GPUs. The
 reaper is a small child process started with the cluster, in its own session so the kernel's
-death does not take it along. It watches the kernel's PID; when the kernel is gone it kills the
-process trees listed in the PID file. When the cluster is stopped normally the PID file is
-removed and the reaper exits.
+death does not take it along. It watches the kernel, by PID *and* create time (a recycled PID is
+not the kernel); when the kernel is gone it kills the process trees listed in the run record
+(:mod:`nbdist.kernel.runfiles`), each only if its create time still matches. When the cluster is
+stopped normally the record is removed and the reaper exits.
 
-    python -m nbdist.kernel.reaper KERNEL_PID PIDFILE
+    python -m nbdist.kernel.reaper RECORD
 """
 
 from __future__ import annotations
@@ -16,43 +17,30 @@ import os
 import sys
 import time
 
+from nbdist.kernel.runfiles import (
+    kill_tree,
+    parse_record,
+    read_trusted,
+    remove_record,
+    same_process,
+)
+
 POLL_S = 0.5
 
 
-def _kill_tree(pid: int) -> None:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _read_pids(path: str) -> list[int]:
-    try:
-        with open(path) as f:
-            return [int(tok) for tok in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def watch(kernel_pid: int, pidfile: str) -> None:
-    import psutil
-
-    while os.path.exists(pidfile):
-        if not psutil.pid_exists(kernel_pid):
-            for pid in _read_pids(pidfile):
-                _kill_tree(pid)
-            os.unlink(pidfile)
-            return
+def watch(record: str) -> None:
+    while os.path.exists(record):
+        text = read_trusted(record)
+        parsed = parse_record(text) if text is not None else None
+        if parsed is not None:
+            kernel, procs = parsed
+            if not same_process(kernel):
+                for proc in procs:
+                    kill_tree(proc)
+                remove_record(record)
+                return
         time.sleep(POLL_S)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), sys.argv[2])
+    watch(sys.argv[1])

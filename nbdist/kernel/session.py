@@ -25,6 +25,7 @@ from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, default_workers
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import CellRecord
+from nbdist.kernel.exposure import check_tf_exposure
 from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
@@ -162,6 +163,7 @@ class Session:
         if opts.workers is not None:  # a connected cluster may have more engines than asked for
             available = min(opts.workers, available)
         world = backends.load(framework).workers_used(options, available)
+        check_tf_exposure(cluster, framework, options, allowed=opts.expose_tf, notify=self._notify)
         for flag, ranks in (("--ranks", opts.ranks), ("--on", opts.on)):
             if ranks is not None and max(ranks) >= world:
                 raise UsageError(

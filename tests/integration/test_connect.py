@@ -134,8 +134,19 @@ model.fit(x, x.sum(1), batch_size=32, epochs=2, verbose=0)
 
 
 @pytest.mark.tf
-def test_tf_config_lists_each_engines_address_and_trains(connected):
-    connected.run_cell_magic("distrain", "-o res --framework tf", TF_CELL)
+def test_tf_on_a_connected_cluster_needs_expose_tf(connected, capsys):
+    """Its engines share their hosts' networks: TF's servers would be reachable there."""
+    with pytest.raises(UsageError, match="add --expose-tf to run anyway"):
+        connected.run_cell_magic("distrain", "--framework tf", TF_CELL)
+    assert "gRPC" not in capsys.readouterr().out
+
+
+@pytest.mark.tf
+def test_tf_config_lists_each_engines_address_and_trains(connected, capsys):
+    connected.run_cell_magic("distrain", "-o res --expose-tf --framework tf", TF_CELL)
+    out = capsys.readouterr().out
+    assert out.count("nbdist: --expose-tf: each TensorFlow worker's gRPC server listens") == 1
+    assert "(127.0.0.2, 127.0.0.3)" in out
     (config0, w0), (config1, w1) = connected.user_ns["res"].values
     workers = config0["cluster"]["worker"]
     assert [w.rsplit(":", 1)[0] for w in workers] == ["127.0.0.2", "127.0.0.3"]

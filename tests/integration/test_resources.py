@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import textwrap
 from pathlib import Path
 
@@ -34,17 +36,43 @@ def _tree() -> list[psutil.Process]:
     return [me, *me.children(recursive=True)]
 
 
+def _address(hex_addr: str) -> str:
+    """An address from /proc/net/tcp{,6}: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def _listening_of(pid: int) -> list[tuple[int, str, int]]:
+    """TCP sockets process ``pid`` listens on, read from *its* network namespace's tables (psutil
+    reads the caller's, which does not show the engines' private namespace)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    host, port = fields[1].split(":")
+                    out.append((pid, _address(host), int(port, 16)))
+    return out
+
+
 def _listening() -> list[tuple[int, str, int]]:
     out = []
     for proc in _tree():
         try:
-            conns = proc.net_connections(kind="inet")
-        except psutil.Error:
+            out += _listening_of(proc.pid)
+        except OSError:  # gone meanwhile
             continue
-        out += [
-            (proc.pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN
-        ]
-    return sorted(out)
+    return sorted(set(out))
 
 
 def _snapshot(magics) -> dict[str, float]:
@@ -116,8 +144,41 @@ def test_successful_runs_open_nothing(warm, magics):
     assert after["engine_open_files"] <= before["engine_open_files"] + 2
 
 
-def test_everything_listens_on_loopback_only(warm):
+def test_everything_listens_on_loopback_only(warm, magics):
+    """The controller listens on no TCP port at all (ipc sockets in a 0700 folder); the engines
+    (gloo, the TCPStore) on loopback only, and that loopback is their private namespace's."""
     listening = _listening()
-    assert listening, "expected the controller and engines to listen somewhere"
+    engines = {e.pid for e in magics.cluster.engines}
+    assert {pid for pid, _, _ in listening} <= engines | _engine_children(engines)
+    assert {pid for pid, _, _ in listening} & engines, "expected the engines to listen"
     exposed = [item for item in listening if item[1] not in LOOPBACK]
     assert exposed == []
+    mine = os.readlink("/proc/self/ns/net")
+    assert {os.readlink(f"/proc/{pid}/ns/net") for pid, _, _ in listening} - {mine} == {
+        os.readlink(f"/proc/{magics.cluster.network.holder.pid}/ns/net")
+    }
+
+
+def _engine_children(engines: set[int]) -> set[int]:
+    """Processes an engine started (ipyparallel's nanny listens on loopback for it)."""
+    out = set()
+    for pid in engines:
+        out |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    return out
+
+
+def test_controller_sockets_are_private(warm, magics):
+    """Every controller socket is a unix socket in a folder only this user can enter, and the
+    connection files say CurveZMQ is on."""
+    import stat
+
+    folder = magics.cluster.network.sockets
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert folder.stat().st_uid == os.getuid()
+    sockets = [p for p in folder.iterdir() if p.is_socket() and not p.is_symlink()]
+    assert len(sockets) >= 10
+    for path in magics.cluster._cluster.controller.connection_files.values():
+        info = json.loads(Path(path).read_text())
+        assert info["interface"] == f"ipc://{folder}/s"
+        assert len(info["curve_serverkey"]) == 40  # a Z85-encoded CurveZMQ public key
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import textwrap
 import time
 
@@ -206,3 +207,82 @@ def test_keras_model_built_in_one_cell_fits_in_the_next_two(tf_ready):
     assert second[-1] < first[-1] < first[0]
     same = tf_ready.run_line_magic("distrain", "compare model")
     assert same.identical and same.entries == 4
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports in LISTEN state in the network namespace of process ``pid``."""
+    ports = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _interfaces(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.readlines()[2:]]
+
+
+def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
+    """While a 2-worker fit trains, the workers' gRPC ports listen only in the engines' private
+    network namespace (which has nothing but loopback): from the notebook's namespace, the one
+    with this machine's real interfaces, 127.0.0.1 refuses them and nothing listens on them."""
+    import json
+    import os
+    import signal
+    import socket
+    import threading
+
+    import psutil
+
+    from nbdist import JobInterrupted
+
+    tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=1))
+    workers = json.loads(magics.cluster.rendezvous["tf"].envs[0]["TF_CONFIG"])["cluster"]["worker"]
+    ports = [int(w.rsplit(":", 1)[1]) for w in workers]
+    pids = [e.pid for e in magics.cluster.engines]
+    before = magics.session.view
+    seen: dict[str, object] = {}
+
+    def check_while_training():
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                view = magics.session.view
+                if view is not None and view is not before and any(view.agg.samples):
+                    break
+                time.sleep(0.05)
+            seen["engine_netns"] = {os.readlink(f"/proc/{p}/ns/net") for p in pids}
+            seen["interfaces"] = [_interfaces(p) for p in pids]
+            seen["listening_in_engines"] = [set(ports) <= _listening_ports(p) for p in pids]
+            seen["listening_here"] = sorted(set(ports) & _listening_ports(os.getpid()))
+            seen["host_listeners"] = sorted(
+                c.laddr.port
+                for c in psutil.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+            )
+            refused = []
+            for port in ports:
+                with socket.socket() as s:
+                    s.settimeout(2)
+                    refused.append(s.connect_ex(("127.0.0.1", port)))
+            seen["connect"] = refused
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=check_while_training)
+    thread.start()
+    with pytest.raises(JobInterrupted):
+        tf_ready.run_cell_magic("distrain", "--no-plot", fit_cell(epochs=100000))
+    thread.join()
+    assert seen["listening_in_engines"] == [True, True]  # the servers are up, over there
+    assert seen["connect"] == [errno.ECONNREFUSED, errno.ECONNREFUSED]
+    assert seen["listening_here"] == []
+    assert seen["host_listeners"] == []
+    mine = os.readlink("/proc/self/ns/net")
+    assert len(seen["engine_netns"]) == 1 and mine not in seen["engine_netns"]
+    assert seen["interfaces"] == [["lo"], ["lo"]]
+    assert len(_interfaces(os.getpid())) > 1  # the notebook's namespace has real interfaces

@@ -111,6 +111,21 @@ def test_rank_env_is_exact_and_restored(ready, magics):
     assert [magics.cluster.apply_async(r, eval, leftover).get(10) for r in (0, 1)] == [[], []]
 
 
+def test_group_sockets_stay_on_loopback(ready, magics):
+    """Every rank of a local job has gloo's and NCCL's bootstrap interface set to loopback, and
+    runs in the cluster's private network namespace (only ``lo``)."""
+    ready.run_cell_magic("distrain", "--framework torch", "x = rank\n")
+    read = (
+        "({k: __import__('os').environ.get(k) for k in ('GLOO_SOCKET_IFNAME', "
+        "'NCCL_SOCKET_IFNAME')}, [l.split(':')[0].strip() for l in "
+        "open('/proc/self/net/dev').readlines()[2:]])"
+    )
+    assert [magics.cluster.apply_async(r, eval, read).get(10) for r in (0, 1)] == [
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+    ]
+
+
 def test_five_consecutive_runs_warm(ready):
     for _ in range(5):
         start = time.monotonic()

@@ -125,6 +125,26 @@ def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> l
     ]
 
 
+def socket_ifnames(master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``*_SOCKET_IFNAME`` variables a rank sets before its group starts (none the user set).
+
+    A local job (every rank on this host, ``MASTER_ADDR`` on loopback) keeps gloo's and NCCL's
+    bootstrap sockets on loopback, unreachable from other hosts. Several hosts: gloo's own guess
+    (the hostname's address) is often 127.0.1.1 on Debian-like hosts, so it gets the interface
+    the other hosts reach this engine on; NCCL keeps its own choice (it may prefer InfiniBand).
+    """
+    if hardware.is_loopback(master_addr):
+        iface = _loopback_interface()
+        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    else:
+        own = hardware.own_address
+        iface = hardware.interface_of(own) if own else None
+        names = ("GLOO_SOCKET_IFNAME",)
+    if iface is None:
+        return {}
+    return {name: iface for name in names if name not in environ}
+
+
 def _loopback_interface() -> str | None:
     for _, name in socket.if_nameindex():
         if name.startswith("lo"):
@@ -144,17 +164,8 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     if not (dist.is_initialized() and slot.get("port") == port):
         if dist.is_initialized():
             _teardown(slot)
-        if "GLOO_SOCKET_IFNAME" not in os.environ:
-            if hardware.is_loopback(addr):
-                # A local job: keep gloo's sockets on loopback, unreachable from other hosts.
-                iface = _loopback_interface()
-            else:
-                # Several hosts: gloo's own guess (the hostname's address) is often 127.0.1.1 on
-                # Debian-like hosts; use the interface the other hosts reach this engine on.
-                own = hardware.own_address
-                iface = hardware.interface_of(own) if own else None
-            if iface:
-                os.environ["GLOO_SOCKET_IFNAME"] = iface
+        for name, value in socket_ifnames(addr, os.environ).items():
+            os.environ[name] = value
         store = slot.get("store")
         if store is None:
             store = dist.TCPStore(

@@ -1,0 +1,58 @@
+"""Whether a TensorFlow multi-worker job would expose its workers, and the opt-in it then needs.
+
+MultiWorkerMirroredStrategy starts a gRPC server in every worker. TensorFlow binds it to every
+interface and, as its SECURITY.md says, such a server has no authorisation: whoever reaches it
+can run arbitrary code in the worker. nbdist's own local cluster keeps its engines in a private
+loopback-only network (:mod:`nbdist.kernel.netns`), where that reaches nobody. Where it cannot
+(namespaces refused, ``NBDIST_ENGINE_NETWORK=host``, or a connected cluster whose engines run
+elsewhere), a multi-worker job needs ``--expose-tf`` and says once what is exposed to whom.
+``--strategy mirrored`` runs in one process and opens no server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from IPython.core.error import UsageError
+
+
+def tf_exposure(cluster: Any, framework: str, options: Mapping[str, Any]) -> str | None:
+    """Who could reach this job's TensorFlow servers, or None when nobody outside the workers."""
+    if framework != "tf" or options.get("strategy") == "mirrored":
+        return None
+    if cluster.owned:
+        network = cluster.network
+        if network is None or network.private:
+            return None
+        return f"anyone who can reach this machine ({network.reason})"
+    hosts = sorted({e.address for e in cluster.engines})
+    return f"anyone who can reach the engines' hosts ({', '.join(hosts)}) on {cluster.source}"
+
+
+def check_tf_exposure(
+    cluster: Any,
+    framework: str,
+    options: Mapping[str, Any],
+    *,
+    allowed: bool,
+    notify: Callable[[str], None],
+) -> None:
+    """Refuse an exposed multi-worker TensorFlow job unless ``allowed``; tell once when it is."""
+    who = tf_exposure(cluster, framework, options)
+    if who is None:
+        return
+    if not allowed:
+        raise UsageError(
+            "%%distrain: TensorFlow's MultiWorkerMirroredStrategy starts a gRPC server in each "
+            f"worker that accepts code from anybody, and here {who} could reach them. Use "
+            "--strategy mirrored (one worker, no server), or add --expose-tf to run anyway."
+        )
+    if cluster.exposure_told:
+        return
+    cluster.exposure_told = True
+    notify(
+        "nbdist: --expose-tf: each TensorFlow worker's gRPC server listens on every interface "
+        f"of its host, with no authentication; {who} can run code in your workers while "
+        "the engines run."
+    )

@@ -1,0 +1,258 @@
+"""nbdist's run files: where they live, and how they are read back without trusting anybody else.
+
+Each local cluster has one *run record*, ``nbdist-<kernel pid>-<random>.pids``, in a per-user
+directory made 0700 (:func:`run_dir`). It names the owning kernel and every process the cluster
+started, each as ``(pid, create time)``: a PID alone may name an unrelated process after the
+original exited (PID reuse, or a reboot with a persistent temp directory). The reaper
+(:mod:`nbdist.kernel.reaper`) and :func:`clean_stale` kill a listed process only when its create
+time still matches, and read a record only when this user owns it and nobody else can write it.
+
+A record is rewritten (atomically: ``mkstemp`` + ``os.replace``) as soon as each process exists:
+the network-namespace holder, the controller, each engine at launch (also while engines are
+replaced), so a kernel killed at any moment of a start leaves nothing running. Beside each
+record, ``<record>.ipc/`` (0700) holds the controller's sockets; it goes with the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from nbdist.errors import ClusterError
+
+log = logging.getLogger(__name__)
+
+# psutil derives a create time from the boot time and the start tick (10 ms): equal for one
+# process across reads; a different process with the same PID differs by at least a tick.
+CREATE_TIME_SLACK_S = 0.005
+MAX_RECORD_BYTES = 1 << 16
+
+Proc = tuple[int, float]
+
+
+def _private(path: Path) -> Path:
+    """``path`` as a directory this user owns that nobody else can enter (made 0700 if missing)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory owned by uid {os.getuid()}")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def run_dir_candidates() -> list[Path]:
+    """Where run files may go, best first: ``$XDG_RUNTIME_DIR`` (per user, cleared at logout),
+    Jupyter's runtime directory (in the home directory), then a per-uid folder in the temp dir."""
+    out = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        out.append(Path(xdg) / "nbdist")
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        out.append(Path(jupyter_runtime_dir()) / "nbdist")
+    except ImportError:
+        pass
+    out.append(Path(tempfile.gettempdir()) / f"nbdist-{os.getuid()}")
+    return out
+
+
+def run_dir() -> Path:
+    """The first candidate directory that is (or could be made) private to this user."""
+    reasons = []
+    for path in run_dir_candidates():
+        try:
+            return _private(path)
+        except OSError as e:
+            reasons.append(f"{path}: {e}")
+    raise ClusterError(
+        "nbdist found no private folder for its run files ("
+        + "; ".join(reasons)
+        + "). Set XDG_RUNTIME_DIR to a folder only you can write, then %distrain start again."
+    )
+
+
+def create_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def same_process(proc: Proc) -> bool:
+    """Whether the process ``(pid, create_time)`` still runs (a zombie counts as gone)."""
+    import psutil
+
+    pid, created = proc
+    try:
+        p = psutil.Process(pid)
+        return (
+            abs(p.create_time() - created) <= CREATE_TIME_SLACK_S
+            and p.status() != psutil.STATUS_ZOMBIE
+        )
+    except psutil.Error:
+        return False
+
+
+def kill_tree(proc: Proc) -> bool:
+    """SIGKILL a process and all its descendants, if it is still the process recorded."""
+    import psutil
+
+    if not same_process(proc):
+        return False
+    try:
+        root = psutil.Process(proc[0])
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return False
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return True
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (mode 0600) in one step; no predictable temporary name."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_trusted(path: str | Path) -> str | None:
+    """The file's text when this user owns it and neither group nor others may write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            log.warning("ignoring %s: not a private file of uid %d", path, os.getuid())
+            return None
+        return os.read(fd, MAX_RECORD_BYTES).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def parse_record(text: str) -> tuple[Proc, list[Proc]] | None:
+    try:
+        data = json.loads(text)
+        kernel = (int(data["kernel"][0]), float(data["kernel"][1]))
+        procs = [(int(p), float(t)) for p, t in data["procs"]]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    return kernel, procs
+
+
+class RunRecord:
+    """This kernel's run record for one local cluster (see the module docstring)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        folder = directory or run_dir()
+        pid = os.getpid()
+        self.kernel: Proc = (pid, create_time(pid) or 0.0)
+        fd, name = tempfile.mkstemp(prefix=f"nbdist-{pid}-", suffix=".pids", dir=folder)
+        os.close(fd)
+        self.path = Path(name)
+        self.procs: list[Proc] = []
+        self.write([])
+
+    def write(self, pids: Iterable[int | None]) -> None:
+        """Record exactly ``pids`` (those still running) as the cluster's processes."""
+        procs = []
+        for pid in pids:
+            created = create_time(pid) if pid else None
+            if created is not None:
+                procs.append((pid, created))
+        self.procs = procs
+        write_atomic(self.path, json.dumps({"kernel": self.kernel, "procs": procs}))
+
+    @property
+    def sockets(self) -> Path:
+        """The folder for this cluster's controller sockets, named after the record."""
+        return sockets_of(self.path)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class Reaper:
+    """A cluster's run record and the reaper process that watches it (:mod:`.reaper`), started
+    in its own session so that the kernel's death does not take it along."""
+
+    def __init__(self, folder: Path) -> None:
+        self.record = RunRecord(folder)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nbdist.kernel.reaper", str(self.record.path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        """Remove the record (the cluster is stopped): the reaper sees it go and exits."""
+        self.record.remove()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def sockets_of(record: str | Path) -> Path:
+    return Path(record).with_suffix(".ipc")
+
+
+def remove_record(record: str | Path) -> None:
+    """Delete a record and its sockets folder (a real folder, not a link to one)."""
+    folder = sockets_of(record)
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(folder).st_mode):
+            shutil.rmtree(folder)
+    with contextlib.suppress(OSError):
+        os.unlink(record)
+
+
+def clean_stale(directory: str | Path | None = None) -> int:
+    """Kill the cluster processes of kernels that died without stopping them; returns how many.
+
+    The reaper normally does this; this catches what it could not (say the reaper was killed
+    too). Only records this user owns and only processes whose create time still matches are
+    acted on; a record that cannot be read is skipped, never fatal.
+    """
+    folder = Path(directory) if directory is not None else run_dir()
+    killed = 0
+    for path in glob.glob(os.path.join(folder, "nbdist-*-*.pids")):
+        text = read_trusted(path)
+        record = parse_record(text) if text is not None else None
+        if record is None:
+            continue
+        kernel, procs = record
+        if same_process(kernel):
+            continue
+        killed += sum(kill_tree(proc) for proc in procs)
+        remove_record(path)
+    return killed

@@ -1,0 +1,224 @@
+"""Run files: a private folder, records read only when ours, processes killed only when still
+the ones recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from nbdist.errors import ClusterError
+from nbdist.kernel import reaper, runfiles
+from nbdist.kernel.runfiles import RunRecord, clean_stale, kill_tree, same_process
+
+OTHER_UID = 4242
+
+
+@pytest.fixture
+def sleepers():
+    procs = []
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def _ct(pid: int) -> float:
+    return psutil.Process(pid).create_time()
+
+
+def _record(path, kernel, procs, mode=0o600):
+    path.write_text(json.dumps({"kernel": list(kernel), "procs": [list(p) for p in procs]}))
+    path.chmod(mode)
+    return path
+
+
+def test_stale_record_of_a_dead_kernel_is_cleaned(tmp_path, sleepers):
+    leftover, mine = sleepers(), sleepers()
+    me = (os.getpid(), _ct(os.getpid()))
+    _record(tmp_path / "nbdist-1-abc.pids", (_dead_pid(), 1.0), [(leftover.pid, _ct(leftover.pid))])
+    _record(tmp_path / f"nbdist-{me[0]}-def.pids", me, [(mine.pid, _ct(mine.pid))])
+    assert clean_stale(tmp_path) == 1
+    assert leftover.wait(timeout=10) == -9
+    assert mine.poll() is None  # a live kernel's cluster is left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"nbdist-{me[0]}-def.pids"]
+
+
+def test_record_whose_pid_is_now_another_process_kills_nothing(tmp_path, sleepers):
+    """After a reboot (persistent /tmp) or PID reuse the PID names an unrelated process."""
+    other = sleepers()
+    _record(tmp_path / "nbdist-1-abc.pids", (_dead_pid(), 1.0), [(other.pid, _ct(other.pid) - 60)])
+    assert clean_stale(tmp_path) == 0
+    time.sleep(0.2)
+    assert other.poll() is None
+    assert [p.name for p in tmp_path.iterdir()] == []  # the stale record itself is removed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file owned by another uid needs root")
+def test_foreign_record_naming_our_live_process_is_ignored(tmp_path, sleepers):
+    victim = sleepers()
+    planted = _record(
+        tmp_path / "nbdist-1-abc.pids", (_dead_pid(), 1.0), [(victim.pid, _ct(victim.pid))]
+    )
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    assert clean_stale(tmp_path) == 0
+    time.sleep(0.2)
+    assert victim.poll() is None
+    assert planted.exists()  # not ours to delete either
+
+
+def test_world_writable_record_is_ignored(tmp_path, sleepers):
+    victim = sleepers()
+    _record(
+        tmp_path / "nbdist-1-abc.pids",
+        (_dead_pid(), 1.0),
+        [(victim.pid, _ct(victim.pid))],
+        mode=0o666,
+    )
+    assert clean_stale(tmp_path) == 0
+    time.sleep(0.2)
+    assert victim.poll() is None
+
+
+def test_unreadable_records_do_not_stop_the_cleaning(tmp_path, sleepers):
+    leftover = sleepers()
+    (tmp_path / "nbdist-2-dir.pids").mkdir()
+    os.mkfifo(tmp_path / "nbdist-3-fifo.pids")  # opening a FIFO to read would block
+    (tmp_path / "nbdist-4-link.pids").symlink_to(tmp_path / "missing")
+    _record(tmp_path / "nbdist-5-garbage.pids", (1, 1.0), []).write_text("not json")
+    locked = _record(tmp_path / "nbdist-6-locked.pids", (_dead_pid(), 1.0), [], mode=0)
+    if os.geteuid() == 0:
+        os.chown(locked, OTHER_UID, OTHER_UID)
+    _record(tmp_path / "nbdist-1-abc.pids", (_dead_pid(), 1.0), [(leftover.pid, _ct(leftover.pid))])
+    assert clean_stale(tmp_path) == 1
+    assert leftover.wait(timeout=10) == -9
+
+
+def test_kill_tree_kills_descendants(sleepers):
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print('up', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout.readline() == "up\n"
+        child = psutil.Process(parent.pid).children()[0]
+        assert kill_tree((parent.pid, _ct(parent.pid)))
+        assert parent.wait(timeout=10) == -9
+        child.wait(timeout=10)
+        assert not child.is_running()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()
+
+
+def test_same_process_compares_create_time(sleepers):
+    proc = sleepers()
+    assert same_process((proc.pid, _ct(proc.pid)))
+    assert not same_process((proc.pid, _ct(proc.pid) + 1))
+    assert not same_process((_dead_pid(), 1.0))
+
+
+def test_reaper_treats_a_recycled_kernel_pid_as_gone(tmp_path, sleepers):
+    """The kernel is matched by (pid, create time): our own PID with another create time is a
+    different process, so the reaper kills the cluster's processes."""
+    leftover = sleepers()
+    path = _record(
+        tmp_path / "nbdist-x.pids",
+        (os.getpid(), _ct(os.getpid()) - 60),
+        [(leftover.pid, _ct(leftover.pid))],
+    )
+    sockets = runfiles.sockets_of(path)
+    sockets.mkdir(mode=0o700)
+    (sockets / "s-1234").write_text("")
+    reaper.watch(str(path))
+    assert leftover.wait(timeout=10) == -9
+    assert list(tmp_path.iterdir()) == []  # the record and its sockets folder are gone
+
+
+def test_run_record_is_private_and_atomic(tmp_path, sleepers):
+    proc = sleepers()
+    record = RunRecord(tmp_path)
+    record.write([proc.pid, _dead_pid(), None])
+    st = os.stat(record.path)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert json.loads(record.path.read_text()) == {
+        "kernel": [os.getpid(), _ct(os.getpid())],
+        "procs": [[proc.pid, _ct(proc.pid)]],
+    }
+    assert [p.name for p in tmp_path.iterdir()] == [record.path.name]  # no temporary left
+    assert record.path.name.startswith(f"nbdist-{os.getpid()}-")
+    assert record.sockets == tmp_path / (record.path.stem + ".ipc")
+    record.remove()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_dir_is_made_private(tmp_path, monkeypatch):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [loose])
+    assert runfiles.run_dir() == loose
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+    fresh = tmp_path / "a" / "nbdist"
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [fresh])
+    assert runfiles.run_dir() == fresh
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+
+
+def test_run_dir_candidates_prefer_xdg_runtime_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "jupyter"))
+    assert runfiles.run_dir_candidates() == [
+        tmp_path / "nbdist",
+        tmp_path / "jupyter" / "nbdist",
+        runfiles.Path(runfiles.tempfile.gettempdir()) / f"nbdist-{os.getuid()}",
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a folder owned by another uid needs root")
+def test_run_dir_skips_a_folder_someone_else_owns(tmp_path, monkeypatch):
+    planted, mine = tmp_path / "planted", tmp_path / "mine"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [planted, mine])
+    assert runfiles.run_dir() == mine
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [planted])
+    with pytest.raises(ClusterError, match=r"no private folder for its run files \(.*planted: "):
+        runfiles.run_dir()
+
+
+def test_run_dir_refuses_a_symlink(tmp_path, monkeypatch):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [link])
+    with pytest.raises(ClusterError, match="is not a directory owned by uid"):
+        runfiles.run_dir()
