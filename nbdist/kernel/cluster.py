@@ -26,6 +26,15 @@ from nbdist.engine.hardware import (
     visible_gpus,
 )
 from nbdist.errors import ClusterError
+from nbdist.kernel.engines import (
+    EngineInfo,
+    connected_text,
+    cpu_seconds,
+    gone,
+    kill_trees,
+    rank_engines,
+    status_text,
+)
 from nbdist.kernel.netns import PrivateNetwork, wait_for_files
 from nbdist.kernel.runfiles import Reaper, clean_stale, run_dir
 
@@ -42,29 +51,6 @@ LOCAL_SOURCE = f"a local ipyparallel cluster ({LOOPBACK})"
 def default_workers() -> int:
     """One worker per visible GPU; 2 on a CPU-only machine."""
     return len(visible_gpus()) or DEFAULT_CPU_WORKERS
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """One engine, in rank order: where it runs and what it may use."""
-
-    rank: int
-    engine_id: int
-    host: str
-    address: str
-    pid: int
-    gpu: str | None
-    cpus: int
-    local_rank: int
-    local_world_size: int
-
-
-def _host_key(address: str) -> tuple[Any, ...]:
-    """Sort hosts by address (numerically for IPv4), so ranks are contiguous per host."""
-    parts = address.split(".")
-    if len(parts) == 4 and all(p.isdigit() for p in parts):
-        return (0, *(int(p) for p in parts))
-    return (1, address)
 
 
 @dataclass
@@ -445,39 +431,8 @@ class LocalCluster:
                             "c.EngineLauncher.environment) and %distrain connect again."
                         )
                     info["address"] = info["addresses"][0]
-        # A host is the address the other hosts reach its engines at: ranks are grouped by it
-        # (LOCAL_RANK, GPU pinning), and rank 0's is MASTER_ADDR.
-        order = sorted(range(len(ids)), key=lambda i: (_host_key(infos[i]["address"]), ids[i]))
-        ids, infos = [ids[i] for i in order], [infos[i] for i in order]
-        by_host: dict[str, list[int]] = {}
-        for rank, info in enumerate(infos):
-            by_host.setdefault(info["address"], []).append(rank)
-        engines = []
-        for rank, (eid, info) in enumerate(zip(ids, infos, strict=True)):
-            peers = by_host[info["address"]]
-            local_rank = peers.index(rank)
-            gpus = info["gpus"]
-            if len(peers) == 1 and gpus:
-                gpu = ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
-            elif local_rank < len(gpus):
-                gpu = gpus[local_rank]
-            else:
-                # A launcher that binds one GPU per task (srun --gpus-per-task=1) already gave
-                # this engine its own; otherwise more engines than GPUs: this one gets none.
-                gpu = gpus[0] if len(gpus) == 1 else None
-            engines.append(
-                EngineInfo(
-                    rank=rank,
-                    engine_id=eid,
-                    host=info["host"],
-                    address=info["address"],
-                    pid=info["pid"],
-                    gpu=gpu,
-                    cpus=info["cpus"],
-                    local_rank=local_rank,
-                    local_world_size=len(peers),
-                )
-            )
+        engines = rank_engines(ids, infos)
+        ids = [e.engine_id for e in engines]
         self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
         if not self.owned:
             self._client[ids].map_sync(worker.set_address, [e.address for e in engines])
@@ -522,59 +477,22 @@ class LocalCluster:
             if targets:
                 self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
             return
-        import psutil
-
-        for r in ranks:
-            try:
-                engine = psutil.Process(self.engines[r].pid)
-                procs = [engine, *engine.children(recursive=True)]  # what the cell started
-            except psutil.NoSuchProcess:
-                continue
-            for proc in procs:
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
+        kill_trees(self.engines[r].pid for r in ranks)
 
     def dead(self, ranks: Sequence[int]) -> list[int]:
         """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
-        import psutil
-
         if not self.owned:  # no process to look at: an engine is dead when the hub says so
             alive = set(self._client.ids)
             return [r for r in ranks if self.engines[r].engine_id not in alive]
-        gone = []
-        for r in ranks:
-            try:
-                if psutil.Process(self.engines[r].pid).status() == psutil.STATUS_ZOMBIE:
-                    gone.append(r)
-            except psutil.NoSuchProcess:
-                gone.append(r)
-        return gone
+        return [r for r in ranks if gone(self.engines[r].pid)]
 
     def cpu_seconds(self, ranks: Sequence[int]) -> dict[int, float] | None:
         """CPU time (user + system) each rank's engine process has used; None when nbdist cannot
         see the processes (a connected cluster, whose engines may be on other hosts)."""
-        import psutil
-
         if not self.owned:
             return None
-        out = {}
-        for r in ranks:
-            try:
-                proc = psutil.Process(self.engines[r].pid)
-                procs = [proc, *proc.children(recursive=True)]  # subprocesses, loader workers
-            except psutil.Error:
-                continue
-            total = 0.0
-            for p in procs:
-                try:
-                    t = p.cpu_times()
-                except psutil.Error:
-                    continue
-                total += t.user + t.system
-            out[r] = total
-        return out
+        seconds = {r: cpu_seconds(self.engines[r].pid) for r in ranks}
+        return {r: t for r, t in seconds.items() if t is not None}
 
     def busy(self) -> dict[int, int]:
         """Tasks queued or running per rank."""
@@ -585,47 +503,10 @@ class LocalCluster:
             for e in self.engines
         }
 
-    def _by_host(self) -> dict[str, list[EngineInfo]]:
-        """Engines per host address, in rank order."""
-        hosts: dict[str, list[EngineInfo]] = {}
-        for e in self.engines:
-            hosts.setdefault(e.address, []).append(e)
-        return hosts
-
     def connected_text(self) -> str:
-        """One line after ``%distrain connect``: engines per host address."""
-        hosts = self._by_host()
-        per_host = ", ".join(
-            f"{a}: {len(es)} engine{'s' if len(es) > 1 else ''}" for a, es in hosts.items()
-        )
-        return (
-            f"nbdist: connected to {self.size} engines on {len(hosts)} "
-            f"host{'s' if len(hosts) > 1 else ''} ({per_host}); %distrain status shows them"
-        )
+        return connected_text(self.engines)
 
     def status_text(self) -> str:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
-        busy = self.busy()
-        hosts = self._by_host()
-        lines = [
-            f"nbdist: {self.size} workers on {len(hosts)} host{'s' if len(hosts) > 1 else ''}, "
-            f"{self.source}"
-        ]
-        for address, engines in hosts.items():
-            gpus = [e.gpu for e in engines if e.gpu is not None]
-            lines.append(
-                f"  {engines[0].host} ({address}): {len(engines)} engine"
-                f"{'s' if len(engines) > 1 else ''}, ranks {engines[0].rank}-{engines[-1].rank}, "
-                f"GPUs {','.join(gpus) if gpus else 'none'}"
-            )
-        lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
-        for e in self.engines:
-            state = "busy" if busy.get(e.rank) else "idle"
-            gpu = e.gpu if e.gpu is not None else "-"
-            lines.append(
-                f"{e.rank:>4}  {e.engine_id:>6}  {e.host:<20} {e.pid:>8}  {gpu:<5} {state}"
-            )
-        if self.warm:
-            lines.append(f"frameworks loaded: {', '.join(sorted(self.warm))}")
-        return "\n".join(lines)
+        return status_text(self.engines, source=self.source, busy=self.busy(), warm=self.warm)

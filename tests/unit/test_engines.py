@@ -1,0 +1,56 @@
+"""Ranks from engines: contiguous per host, ordered by address then engine id; one GPU each."""
+
+from __future__ import annotations
+
+from nbdist.kernel.engines import EngineInfo, connected_text, rank_engines, status_text
+
+
+def _info(address, gpus=(), pid=100, host=None):
+    return {"address": address, "host": host or address, "pid": pid, "gpus": list(gpus), "cpus": 4}
+
+
+def test_ranks_group_by_host_address_numerically_then_by_engine_id():
+    ids = [7, 3, 5, 9]
+    infos = [_info("10.0.0.10"), _info("10.0.0.9"), _info("10.0.0.10"), _info("10.0.0.9")]
+    engines = rank_engines(ids, infos)
+    assert [
+        (e.rank, e.engine_id, e.address, e.local_rank, e.local_world_size) for e in engines
+    ] == [
+        (0, 3, "10.0.0.9", 0, 2),
+        (1, 9, "10.0.0.9", 1, 2),
+        (2, 5, "10.0.0.10", 0, 2),
+        (3, 7, "10.0.0.10", 1, 2),
+    ]
+
+
+def test_gpus_one_per_engine_all_for_an_engine_alone_none_when_too_few():
+    two = rank_engines([0, 1], [_info("a", ["0", "1"]), _info("a", ["0", "1"])])
+    assert [e.gpu for e in two] == ["0", "1"]
+    alone = rank_engines([0], [_info("a", ["0", "1"])])
+    assert [e.gpu for e in alone] == ["0,1"]  # MirroredStrategy may use every GPU
+    bound = rank_engines([0, 1], [_info("a", ["3"]), _info("a", ["5"])])
+    assert [e.gpu for e in bound] == ["3", "5"]  # srun --gpus-per-task=1 gave each its own
+    few = rank_engines([0, 1, 2], [_info("a", ["0", "1"])] * 3)
+    assert [e.gpu for e in few] == ["0", "1", None]
+
+
+def test_status_and_connected_text():
+    engines = [
+        EngineInfo(rank=0, engine_id=4, host="vm", address="127.0.0.1", pid=11, gpu=None, cpus=2,
+                   local_rank=0, local_world_size=2),
+        EngineInfo(rank=1, engine_id=5, host="vm", address="127.0.0.1", pid=12, gpu="0", cpus=2,
+                   local_rank=1, local_world_size=2),
+    ]  # fmt: skip
+    assert connected_text(engines) == (
+        "nbdist: connected to 2 engines on 1 host (127.0.0.1: 2 engines); %distrain status "
+        "shows them"
+    )
+    text = status_text(engines, source="a test", busy={1: 1}, warm={"torch"})
+    assert text.splitlines() == [
+        "nbdist: 2 workers on 1 host, a test",
+        "  vm (127.0.0.1): 2 engines, ranks 0-1, GPUs 0",
+        "rank  engine  host                      pid  gpu   state",
+        "   0       4  vm                         11  -     idle",
+        "   1       5  vm                         12  0     busy",
+        "frameworks loaded: torch",
+    ]
