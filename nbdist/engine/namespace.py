@@ -42,13 +42,17 @@ CONTEXT_NAMES = frozenset(
 _IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "open"})
 
 
+def _shell() -> Any:
+    if "IPython" not in sys.modules:  # an ipyparallel engine is an IPython kernel: imported
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
 def session_namespace() -> dict[str, Any]:
     """This engine's persistent namespace (the IPython user namespace when there is one)."""
-    shell = None
-    if "IPython" in sys.modules:  # an ipyparallel engine is an IPython kernel: already imported
-        from IPython import get_ipython
-
-        shell = get_ipython()
+    shell = _shell()
     if shell is not None:
         return shell.user_ns
     return engine_state().namespace
@@ -73,13 +77,18 @@ def clear(namespace: dict[str, Any]) -> list[str]:
     dropped = sorted(user_variables(namespace))
     for name in [n for n in namespace if is_user_name(n) or n in CONTEXT_NAMES]:
         del namespace[name]
-    # IPython's output cache holds on to %%px results: a tensor shown there stays alive.
-    out = namespace.get("Out")
-    if isinstance(out, dict):
-        out.clear()
-    for name in ("_", "__", "___"):
-        if name in namespace:
-            namespace[name] = ""
+    # IPython's output cache holds on to %%px results (Out, _, __, ___ and _1, _2, ...): a
+    # model shown there stays alive. The shell's displayhook knows every place it keeps them.
+    shell = _shell()
+    if shell is not None and shell.user_ns is namespace:
+        shell.displayhook.flush()
+    else:
+        out = namespace.get("Out")
+        if isinstance(out, dict):
+            out.clear()
+        for name in ("_", "__", "___"):
+            if name in namespace:
+                namespace[name] = ""
     return dropped
 
 

@@ -21,10 +21,10 @@ def reset() -> dict[str, Any]:
     return {"dropped": dropped, **memory()}
 
 
-def pull(names: list[str]) -> dict[str, Any]:
+def pull(names: list[str], namespace: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{name: value}`` for ``names``; raises ``NameError``/``TypeError`` naming the first one
     that is missing or cannot be pickled, and what to pull instead."""
-    namespace = session_namespace()
+    namespace = session_namespace() if namespace is None else namespace
     out = {}
     for name in names:
         if name not in namespace:

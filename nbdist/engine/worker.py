@@ -39,6 +39,7 @@ from nbdist.engine.state import engine_state
 
 __all__ = [
     "check_group",
+    "join_group",
     "drop_session",
     "engine_info",
     "pin_gpu",
@@ -183,7 +184,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
             report["ok"] = True
             del value
             try:  # the cell itself succeeded: a wrong --pull name must not fail the rank
-                report["pulled"] = _pull(namespace, spec.pull)
+                report["pulled"] = _pull(namespace, spec.pull, spec.rank) if spec.pull else {}
             except _PullError as e:
                 report["pull_error"] = str(e)
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
@@ -201,6 +202,14 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     report["messages"] = recorder.messages
     report["wall"] = time.perf_counter() - start
     return report
+
+
+def join_group(spec: RankSpec) -> None:
+    """Take part in setting up the group (or strategy) without running the cell: the ranks an
+    ``--on`` cell leaves out do this, since the set-up needs every rank."""
+    state = engine_state()
+    with patch_environment(spec.env), backends.load(spec.framework).session(spec, state):
+        pass
 
 
 def check_group(framework: str, *, timeout: float) -> str | None:
@@ -262,18 +271,10 @@ class _PullError(Exception):
     pass
 
 
-def _pull(namespace: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    out = {}
-    for name in names:
-        if name not in namespace:
-            raise _PullError(
-                f"--pull {name}: no variable {name!r} on rank 0; "
-                "check the spelling or assign it in the cell"
-            )
-        if not _picklable(namespace[name]):
-            raise _PullError(
-                f"--pull {name}: {type(namespace[name]).__name__} cannot be pickled; pull a "
-                f"plain value instead (e.g. {name}.state_dict() or {name}.tolist())"
-            )
-        out[name] = namespace[name]
-    return out
+def _pull(namespace: dict[str, Any], names: tuple[str, ...], rank: int) -> dict[str, Any]:
+    from nbdist.engine.session_ops import pull
+
+    try:
+        return pull(list(names), namespace)
+    except (NameError, TypeError) as e:
+        raise _PullError(f"--pull: {e} (rank {rank})") from None

@@ -3,11 +3,13 @@ per-rank memory lines of ``%distrain status``. Each runs between cells, on every
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from IPython.core.error import UsageError
 
 from nbdist.engine import session_ops
+from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
 
@@ -27,10 +29,17 @@ def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
     names the rank."""
     cluster = session.cluster
     ars = [cluster.apply_async(e.rank, fn, *args) for e in cluster.engines]
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
     out = []
     for rank, ar in enumerate(ars):
         try:
-            out.append(ar.get(COMMAND_TIMEOUT_S))
+            out.append(ar.get(max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            raise UsageError(
+                f"%distrain {what}: rank {rank} did not answer within {COMMAND_TIMEOUT_S:g} s "
+                "(is a cell still running there?); %distrain status shows which rank is busy, "
+                "%distrain restart gives fresh workers."
+            ) from None
         except Exception as e:
             raise UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}") from None
     return out
@@ -57,7 +66,7 @@ def reset(session: Session) -> str:
 
 def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str, Any]) -> str:
     _running(session, "pull")
-    if rank >= session.cluster.size:
+    if not 0 <= rank < session.cluster.size:
         raise UsageError(
             f"%distrain pull: --rank {rank} does not exist; ranks go from 0 to "
             f"{session.cluster.size - 1}."
@@ -77,6 +86,16 @@ def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> s
     _running(session, "push")
     _on_all(session, "push", session_ops.push, values)
     session.variables = sorted({*session.variables, *names})
+    session.cells.append(
+        CellRecord(
+            source="",
+            kind="push",
+            push=values,
+            framework=session.framework or "torch",
+            world_size=session.cluster.size,
+            autolog=False,
+        )  # fmt: skip
+    )
     return f"nbdist: pushed {', '.join(names)} to every worker"
 
 

@@ -37,6 +37,7 @@ class CellRecord:
     backend: str | None = None
     fresh: bool = False
     on: tuple[int, ...] | None = None
+    kind: str = "cell"  # or "push": a %distrain push between cells (source empty)
 
 
 class ExportError(ValueError):
@@ -198,13 +199,19 @@ def _calls_log(tree: ast.AST) -> bool:
 
 
 def _cell_code(index: int, cell: CellRecord) -> str:
+    if cell.kind == "push":
+        title = f"# --- %distrain push {', '.join(cell.push)} "
+        return title + "-" * (93 - len(title)) + f"\nglobals().update(_pushed[{index}])\n"
     body = textwrap.dedent(cell.source).strip("\n")
-    if cell.push:
-        body = f"globals().update(_pushed[{index}])\n" + body
     if cell.fresh:
-        # A --fresh cell ran in a namespace of its own: its names stay inside the function.
+        # A --fresh cell ran in a namespace of its own, with its --push data: its names stay
+        # inside the function.
         name = f"_fresh_cell_{index}"
-        body = f"def {name}():\n{textwrap.indent(body, '    ')}\n\n\n{name}()"
+        params = ", ".join(cell.push)
+        call = f"{name}(**_pushed[{index}])" if cell.push else f"{name}()"
+        body = f"def {name}({params}):\n{textwrap.indent(body, '    ')}\n\n\n{call}"
+    elif cell.push:
+        body = f"globals().update(_pushed[{index}])\n" + body
     if cell.on is not None:
         ranks = ", ".join(map(str, cell.on)) + ("," if len(cell.on) == 1 else "")
         body = f"if rank in ({ranks}):\n{textwrap.indent(body, '    ')}"
@@ -223,8 +230,11 @@ def export_script(
     if not cells:
         raise ExportError("no %%distrain cell has run since the workers were last reset")
     path = Path(path)
-    last = cells[-1]
-    if len({c.framework for c in cells}) > 1:
+    ran = [c for c in cells if c.kind == "cell"]
+    if not ran:
+        raise ExportError("no %%distrain cell has run since the workers were last reset")
+    last = ran[-1]
+    if len({c.framework for c in ran}) > 1:
         raise ExportError(
             "the session ran both torch and TensorFlow cells, which cannot share one script; "
             "%distrain reset, run the cells of one framework, then export"
@@ -239,7 +249,7 @@ def export_script(
             f"another name or add --force to replace {'it' if len(existing) == 1 else 'them'}"
         )
     written = [path]
-    trees = [ast.parse(textwrap.dedent(c.source)) for c in cells]
+    trees = [ast.parse(textwrap.dedent(c.source)) for c in ran]
     used = {name for name in ("init_process_group", "destroy_process_group")
             if any(any(calls(t, name)) for t in trees)}  # fmt: skip
     if any(_calls_log(t) for t in trees):
@@ -255,7 +265,7 @@ def export_script(
             chosen = repr(last.backend) if last.backend else "backend"
             parts.append(_TORCH_INIT.format(backend=chosen))
         parts.append(_LOG)
-        if any(c.autolog for c in cells) and not explicit_log:
+        if any(c.autolog for c in ran) and not explicit_log:
             parts.append(_TORCH_AUTOLOG)
         how = f"Run it with:\n\n    {run}\n"
     else:
@@ -286,7 +296,7 @@ def export_script(
         parts.insert(0, _PUSH.format(name=data.name))  # checked before anything else runs
     header = (
         f'"""Exported from a %%distrain session by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
-        f"{len(cells)} cell{'s' if len(cells) > 1 else ''} ran on {n} "
+        f"{len(ran)} cell{'s' if len(ran) > 1 else ''} ran on {n} "
         f"worker{'s' if n > 1 else ''} ({last.framework}). {how}"
         '"""\n'
     )

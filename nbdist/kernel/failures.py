@@ -3,9 +3,10 @@
 The workers keep their variables from cell to cell, so a failed cell must leave either a
 session that still works, or a clean one, with the user told which:
 
-* **kept** — every rank raised on its own (a typo, a shape error), no rank was stopped, and a
-  check that cannot hang (:func:`nbdist.engine.worker.check_group`: a barrier with a
-  ``HEALTH_TIMEOUT_S`` timeout) passes on every rank. As in a Python REPL, the variables stay.
+* **kept** — the ranks that failed raised on their own (a typo, a shape error), the others
+  finished, no rank had to be freed or stopped, and a check that cannot hang
+  (:func:`nbdist.engine.worker.check_group`: a barrier with a ``HEALTH_TIMEOUT_S`` timeout)
+  passes on every rank. As in a Python REPL, the variables stay.
 * **dropped** — anything that may have broken the group: one rank raised while others waited
   in a collective, an interrupt, ``--timeout``, a stall, a failed check. Every rank drops its
   variables and its part of the group (the variables first: destroying a gloo group under a
@@ -46,12 +47,12 @@ def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str
         return "replaced", []
     if watch.reason is None and not outcome.failures:
         return "ok", []
-    # Every rank of the job raised on its own: the group may still work; a barrier over the
-    # whole group (an --on cell's left-out ranks too) says whether it does.
+    # The ranks that raised did so on their own and no rank had to be freed or stopped: the group
+    # may still work; a barrier over the whole group (--on's left-out ranks too) says whether.
     own_errors = (
-        watch.reason is None
+        watch.reason in (None, "failure")
         and not outcome.stopped
-        and len(outcome.failures) == len(outcome.ranks)
+        and not outcome.released
         and not any(lost_peer(f) or f.exc_type == "KeyboardInterrupt" for f in outcome.failures)
     )
     if own_errors and _group_works(cluster, framework, list(range(outcome.world))):
@@ -81,6 +82,10 @@ def drop(
     """Every rank in ``ranks`` drops its variables and its part of the group; returns the
     names dropped (with ``already``, those dropped earlier in the same job). A rank that does
     not confirm in time gets the engines replaced: the next cell must start clean."""
+    # First, so that an interrupt during the waits below cannot leave the next cell on this
+    # rendezvous: some ranks may have destroyed their part of it already.
+    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+        cluster.rendezvous.pop(framework, None)
     names = set(already or ())
     ars = {r: cluster.apply_async(r, worker.drop_session, framework) for r in ranks}
     deadline = time.monotonic() + DROP_WAIT_S
@@ -95,8 +100,6 @@ def drop(
             notice=f"nbdist: replacing the engines (rank {stuck[0]} could not leave its process "
             "group cleanly)"
         )
-    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
-        cluster.rendezvous.pop(framework, None)
     return sorted(names)
 
 
@@ -109,6 +112,8 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
         )
     if state == "dropped":
         what = f" ({', '.join(names)})" if names else ""
+        if connected_stale:
+            return f"The workers' variables were dropped{what}. {connected_stale}"
         return (
             f"The process group was rebuilt and the workers' variables were dropped{what}: "
             "re-run the cells that build them."
@@ -122,7 +127,7 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
     return ""
 
 
-def error_for(outcome: Outcome, opts: Any, *, on: tuple[int, ...] | None) -> DistrainError | None:
+def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
     """The one error that says what went wrong, or None when the job succeeded."""
     watch = outcome.watch
     job_ranks = outcome.ranks
@@ -140,8 +145,8 @@ def error_for(outcome: Outcome, opts: Any, *, on: tuple[int, ...] | None) -> Dis
             )
         return WorkerDied(f"{where} died during the job")
     if watch.reason == "stalled":
-        return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=on))
-    if any(f.exc_type != "KeyboardInterrupt" for f in outcome.failures):
+        return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on))
+    if outcome.failures:  # a KeyboardInterrupt here came from the cell itself, not from nbdist
         return WorkerError(outcome.failures, stopped=stopped)
     if watch.reason == "timeout":
         return JobTimeout(

@@ -5,11 +5,12 @@ this project's fault tests). The backend's ``peer_release_s`` is how long a rank
 collective takes to notice a lost peer: about 1 s for torch (a rank that drops its part of the
 group frees its peers), the collective timeout for TensorFlow.
 
-1. A rank that raises reports its failure. If other ranks are still running ``RELEASE_S``
-   later (a cell that fails on every rank, a typo, has ended by then), the failed ranks drop
-   their part of the group, and peers blocked in a collective with them fail within
-   ``peer_release_s``. When the job stalls, ranks that already finished (or that ``--on`` left
-   out) do the same: the waiting ranks are freed without being killed.
+1. A rank that raises reports its failure. Once the ranks still running look blocked (no CPU
+   use over ``BLOCKED_WINDOW_S``), the ranks that are done drop their part of the group, and
+   peers blocked in a collective with them fail within ``peer_release_s``; ranks that are still
+   computing may finish on their own (then the group may be kept). On a stall, ``--timeout`` or
+   an interrupt, ranks that are done (or that ``--on`` left out) drop their part at once: the
+   waiting ranks are freed without being killed.
 2. Ranks still running ``peer_release_s + PEER_GRACE_S`` later (at once on ``--timeout`` or the
    notebook's interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
 3. Ranks still running ``peer_release_s + KILL_GRACE_S`` after that are killed and every engine
@@ -40,8 +41,10 @@ log = logging.getLogger(__name__)
 # Beyond the time the backend says a blocked peer needs to notice a lost rank:
 PEER_GRACE_S = 2.0  # ... before SIGINT to the ranks still running
 KILL_GRACE_S = 3.0  # ... after that, before SIGKILL
-# A cell that fails on every rank (a typo) fails on all of them within milliseconds; only
-# ranks still running this long after the first failure wait for a peer that is gone.
+# After a rank failed, the ranks still running are sampled every BLOCKED_WINDOW_S: when none
+# of them uses the CPU, they wait in a collective for the failed one, and are freed. Where the
+# processes cannot be seen (a connected cluster), after RELEASE_S.
+BLOCKED_WINDOW_S = 0.2
 RELEASE_S = 0.3
 POLL_S = 0.005  # a trivial warm cell takes ~15 ms on the engines: poll finer than that
 PUMP_EVERY_S = 0.05
@@ -65,7 +68,6 @@ class Watch:
     stalled: dict[str, Any] = field(default_factory=dict)  # who stalled, when, at which step
     progress: dict[int, float] = field(default_factory=dict)  # rank -> last progress (monotonic)
     first_progress: float | None = None
-    first_failure: float | None = None
     killed: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     # Before any progress: each rank's engine CPU time at the last sample, and when it was last
@@ -140,8 +142,10 @@ class Job:
         out: Any,
         err: Any,
         world: int,
+        left_out: Sequence[RankSpec] = (),
     ) -> None:
         self.cluster = cluster
+        self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
         self.specs = list(specs)
         self.ranks = [s.rank for s in specs]
         self.opts = opts
@@ -154,9 +158,14 @@ class Job:
         self.stream = MetricsStream(len(specs))
         self.watch = Watch()
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
+        self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
+        self._blocked_cpu: dict[int, float] | None = None
 
     def run(self) -> Outcome:
         start = time.monotonic()
+        # An --on cell: the ranks it leaves out still take part in setting up the group (a
+        # first init_process_group, or a new strategy, needs every rank).
+        joining = [self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         release = backends.load(self.framework).peer_release_s(self.specs[0].options)
         # The first CPU sample a second in: a short cell never pays for reading /proc.
@@ -190,6 +199,11 @@ class Job:
             outcome.replaced = True
         else:
             self._confirm_released(outcome)
+        for ar in joining:  # quick: setting up a group the ranks that run the cell joined
+            try:
+                ar.get(RELEASED_WAIT_S)
+            except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
+                log.debug("a left-out rank could not join the group", exc_info=True)
         self._collect(outcome)
         expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
         self._drain(ars, expected)
@@ -222,12 +236,8 @@ class Job:
                     history, total = stream.history, stream.total_steps()
                     live.update(history, states(ars, watch), total_steps=total)
                 now = time.monotonic()
-                failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
-                if failed and watch.first_failure is None:
-                    watch.first_failure = now
                 if watch.reason is None:
-                    if failed and now - watch.first_failure >= RELEASE_S:
-                        self._release_ranks([self.ranks[p] for p in failed])
+                    if any(ars[p].ready() and _failed(ars[p]) for p in range(len(ars))):
                         watch.start("failure", now)
                     elif opts.timeout is not None and now - start > opts.timeout:
                         watch.start("timeout", now - peer_grace)
@@ -269,11 +279,21 @@ class Job:
                         watch.dead.extend(dead)
                         watch.start("died", now)
                 if watch.reason is not None:
-                    # Ranks that are done no longer need the group, which this job leaves broken:
-                    # as they drop their part of it, peers blocked in a collective are freed.
-                    done = [self.ranks[p] for p in range(len(ars)) if p not in pending]
-                    self._release_ranks(done)
                     waited = now - watch.since
+                    # The group is broken now: the ranks that are done (or that --on left out)
+                    # drop their part of it, which frees peers blocked in a collective. After a
+                    # failure only once the others wait (no CPU use): ranks still computing may
+                    # finish on their own, and the group may then be kept.
+                    running = {self.ranks[p] for p in pending}
+                    idle = [
+                        r for r in range(self.world) if r not in running and r not in self._release
+                    ]
+                    if idle and (
+                        watch.reason != "failure"
+                        or waited >= peer_grace
+                        or self._blocked(pending, now)
+                    ):
+                        self._release_ranks(idle)
                     if not watch.interrupted and waited >= peer_grace:
                         watch.interrupted = True
                         self.cluster.interrupt([self.ranks[p] for p in pending])
@@ -294,16 +314,27 @@ class Job:
                     watch.interrupted = False
 
     def _stall(self, pending: list[int], now: float, peer_grace: float) -> None:
-        """Free the waiting ranks through the ranks that are not waiting (finished, or left out
-        by ``--on``): they drop their part of the group, which fails the pending collectives."""
-        idle = [r for r in range(self.world) if r not in {self.ranks[p] for p in pending}]
+        """Stop a stalled job. Ranks that are not waiting (finished, or left out by ``--on``)
+        drop their part of the group first (the stop branch of the watch loop does it), which
+        fails the pending collectives; SIGINT follows only after the backend's release time."""
+        running = {self.ranks[p] for p in pending}
+        idle = [r for r in range(self.world) if r not in running]
         self.watch.stalled["released"] = idle
-        if idle:
-            self._release_ranks(idle)
-            # Give the freed ranks the backend's release time before the SIGINT escalation.
-            self.watch.start("stalled", now)
-        else:
-            self.watch.start("stalled", now - peer_grace)
+        self.watch.start("stalled", now if idle else now - peer_grace)
+
+    def _blocked(self, pending: list[int], now: float) -> bool:
+        """Whether the ranks still running look blocked (they used almost no CPU over the last
+        ``BLOCKED_WINDOW_S``): after a peer failed, that is a collective waiting for it."""
+        if now - self._blocked_at < BLOCKED_WINDOW_S:
+            return False
+        cpu = self.cluster.cpu_seconds([self.ranks[p] for p in pending])
+        if cpu is None:  # a connected cluster: no process to look at
+            return now - self.watch.since >= RELEASE_S
+        previous, self._blocked_cpu = self._blocked_cpu, cpu
+        dt, self._blocked_at = now - self._blocked_at, now
+        if previous is None:
+            return False
+        return all(r in previous and cpu[r] - previous[r] < IDLE_CPU_SHARE * dt for r in cpu)
 
     def _release_ranks(self, ranks: Sequence[int]) -> None:
         dead = {self.ranks[p] for p in self.watch.dead}

@@ -109,17 +109,23 @@ def warm_up(cluster: LocalCluster, framework: str) -> None:
     cluster.warm.add(framework)
 
 
-def rendezvous_key(framework: str, opts: RunOptions, world: int) -> tuple[Any, ...]:
-    """What a rendezvous is made for. It leaves ``--timeout`` out: a torch group keeps its own
-    collective timeout, and a TensorFlow strategy is remade by the backend when it changes."""
-    return (framework, opts.backend, opts.strategy, world)
+def rendezvous_key(
+    cluster: LocalCluster, framework: str, opts: RunOptions, world: int
+) -> tuple[Any, ...]:
+    """What a rendezvous is made for, with the defaults resolved (``--backend gloo`` on CPU is
+    the group a cell without the flag gets). ``--timeout`` is left out: a group keeps the
+    collective timeout it was made with."""
+    if framework == "torch":
+        gpus = any(e.gpu for e in cluster.engines)
+        return (framework, opts.backend or ("nccl" if gpus else "gloo"), world)
+    return (framework, opts.strategy or "multiworker", world)
 
 
 def rendezvous(
     cluster: LocalCluster, framework: str, opts: RunOptions, world: int, options: dict[str, Any]
 ) -> list[dict[str, str]]:
     """Each rank's environment; the live rendezvous when it was made for the same job shape."""
-    key = rendezvous_key(framework, opts, world)
+    key = rendezvous_key(cluster, framework, opts, world)
     live = cluster.rendezvous.get(framework)
     if live is not None and live.key == key:
         return live.envs

@@ -20,6 +20,7 @@ from IPython.core.error import UsageError
 from nbdist.engine import backends
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.spec import RankSpec
+from nbdist.errors import JobInterrupted
 from nbdist.kernel import failures, prepare
 from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, default_workers
@@ -145,41 +146,39 @@ class Session:
 
     def _plan(
         self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
-    ) -> tuple[str, int, list[RankSpec]]:
+    ) -> tuple[str, int, list[RankSpec], list[RankSpec]]:
         """Check the flags, have the cluster and the rendezvous ready; (framework, world size,
-        one spec per rank that runs the cell)."""
+        one spec per rank that runs the cell, the specs of the ranks ``--on`` leaves out)."""
         framework = prepare.choose_framework(tree, opts, self.framework)
         prepare.check_flags(opts, framework)
         push = prepare.check_push(opts.push, user_ns)
         if opts.check:
             self.report_findings(source, opts.workers or self.cluster.size or None)
         cluster = self.cluster
+        options = prepare.backend_options(opts)
+        if opts.workers is not None or not cluster.running:  # known before touching the cluster
+            expected = opts.workers or default_workers()
+            _check_ranks(opts, backends.load(framework).workers_used(options, expected))
         cluster.preload = framework  # engines started from here on import it as they start
         cluster.ensure(opts.workers)
         self.note_engines("the workers were restarted or resized")
         prepare.check_gpus(cluster, opts)
-        options = prepare.backend_options(opts)
         available = cluster.size
         if opts.workers is not None:  # a connected cluster may have more engines than asked for
             available = min(opts.workers, available)
         world = backends.load(framework).workers_used(options, available)
         check_tf_exposure(cluster, framework, options, allowed=opts.expose_tf, notify=self._notify)
-        for flag, ranks in (("--ranks", opts.ranks), ("--on", opts.on)):
-            if ranks is not None and max(ranks) >= world:
-                raise UsageError(
-                    f"%%distrain: {flag} {max(ranks)} does not exist; ranks go from 0 to "
-                    f"{world - 1}."
-                )
+        _check_ranks(opts, world)
         prepare.warm_up(cluster, framework)
         live = cluster.rendezvous.get(framework)
-        if live is not None and live.key != prepare.rendezvous_key(framework, opts, world):
+        if live is not None and live.key != prepare.rendezvous_key(cluster, framework, opts, world):
             self.drop(framework, "a new process group was needed for these flags")
         envs = prepare.rendezvous(cluster, framework, opts, world, options)
         self.note_engines("the workers were restarted")
         self.framework = framework
         self._run_id += 1
         job_ranks = list(opts.on) if opts.on is not None else list(range(world))
-        specs = [
+        every = [
             RankSpec(
                 run_id=self._run_id,
                 framework=framework,
@@ -196,14 +195,16 @@ class Session:
                 autolog=opts.autolog,
                 fresh=opts.fresh,
             )
-            for e in (cluster.engines[r] for r in job_ranks)
+            for e in cluster.engines[:world]
         ]
-        return framework, world, specs
+        specs = [every[r] for r in job_ranks]
+        left_out = [s for s in every if s.rank not in job_ranks]
+        return framework, world, specs, left_out
 
     def _run(
         self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
     ) -> tuple[DistrainResult, Any]:
-        framework, world, specs = self._plan(opts, source, tree, user_ns)
+        framework, world, specs, left_out = self._plan(opts, source, tree, user_ns)
         live_view = LiveView(
             len(specs),
             plot=opts.plot,
@@ -214,9 +215,18 @@ class Session:
         )
         self.view = live_view
         job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
-                  world=world)  # fmt: skip
-        outcome = job.run()
-        state, dropped = failures.settle(self.cluster, outcome, framework)
+                  world=world, left_out=left_out)  # fmt: skip
+        try:
+            outcome = job.run()
+            state, dropped = failures.settle(self.cluster, outcome, framework)
+        except KeyboardInterrupt:  # a second interrupt while the ranks were being stopped
+            self.cluster.rendezvous.pop(framework, None)
+            self.forget()
+            raise JobInterrupted(
+                "interrupted again while the workers were being stopped; the next %%distrain "
+                "makes a new process group, and the workers' variables are dropped: re-run the "
+                "cells that build them."
+            ) from None
         meta = outcome.meta
         detail = (
             f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica "
@@ -231,14 +241,14 @@ class Session:
         if summary is not None:
             print(summary, file=self.out, flush=True)
         show_displays(outcome.ars, outcome.ranks, self._publish)
-        error = failures.error_for(outcome, opts, on=opts.on)
+        error = failures.error_for(outcome, opts)
         if state in ("dropped", "replaced"):
             lost = sorted({*dropped, *self.variables}) if state == "replaced" else dropped
             self.forget()
             if error is not None:
                 error.state = failures.state_line(state, lost, connected_stale=self.cluster.stale)
         elif error is not None:
-            error.state = failures.state_line(state, [])
+            error.state = failures.state_line(state, [], connected_stale=self.cluster.stale)
         if error is not None:
             raise error
         reports = outcome.reports
@@ -286,6 +296,14 @@ def _result(outcome: Outcome, framework: str) -> DistrainResult:
         ),
         history=tuple({**h, "rank": outcome.ranks[h["rank"]]} for h in outcome.history),
     )
+
+
+def _check_ranks(opts: RunOptions, world: int) -> None:
+    for flag, ranks in (("--ranks", opts.ranks), ("--on", opts.on)):
+        if ranks is not None and max(ranks) >= world:
+            raise UsageError(
+                f"%%distrain: {flag} {max(ranks)} does not exist; ranks go from 0 to {world - 1}."
+            )
 
 
 def shown_value(result: DistrainResult) -> Any:

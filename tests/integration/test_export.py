@@ -23,7 +23,7 @@ g = torch.Generator().manual_seed(rank)
 x, y = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
 """
 TRAIN = """
-for step in range(10):
+for step in range(STEPS):
     opt.zero_grad()
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
@@ -37,8 +37,12 @@ def _session(shell, magics):
     shell.run_line_magic("distrain", "reset")
     shell.user_ns["SCALE"] = 0.1
     shell.run_cell_magic("distrain", "-n 2 --framework torch --push SCALE", BUILD)
+    shell.user_ns["STEPS"] = 10
+    shell.run_line_magic("distrain", "push STEPS")
     shell.run_cell_magic("distrain", "", TRAIN)
-    shell.run_cell_magic("distrain", "--fresh", "z = world_size * 2\nprint('fresh', z)\n")
+    shell.run_cell_magic(
+        "distrain", "--fresh --push SCALE", "z = world_size * 2\nprint('fresh', z, SCALE)\n"
+    )
     with pytest.raises(Exception, match="boom"):  # a failed cell is left out of the export
         shell.run_cell_magic("distrain", "", "raise RuntimeError('boom')\n")
     shell.run_cell_magic("distrain", "", TRAIN)
@@ -61,7 +65,9 @@ def test_three_cell_session_exported_trains_to_the_same_parameters(shell, magics
     assert "torchrun --nproc_per_node 2 train.py" in text
     assert "5 cells ran on 2 workers (torch)" in text
     assert text.count(TRAIN.strip()) == 2 and "boom" not in text
-    assert "def _fresh_cell_2():\n    z = world_size * 2" in text
+    assert "# --- %distrain push STEPS ---" in text
+    assert "def _fresh_cell_3(SCALE):\n    z = world_size * 2" in text
+    assert "_fresh_cell_3(**_pushed[3])" in text
     assert stat.S_IMODE(os.stat(tmp_path / "train_push.pkl").st_mode) == 0o600
     script.write_text(text + f"\nif is_main:\n    print('checksum', repr({CHECKSUM}))\n")
 
@@ -73,7 +79,7 @@ def test_three_cell_session_exported_trains_to_the_same_parameters(shell, magics
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("checksum "))
     assert float(line.split()[1]) == in_session
-    assert "fresh 4" in run.stdout
+    assert "fresh 4 0.1" in run.stdout
     # nbdist's automatic loss capture, spelled out: one line per backward on each rank.
     assert "[rank 0] step 19 loss=" in run.stdout and "[rank 1] step 19 loss=" in run.stdout
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist import JobStalled, WorkerError
+from nbdist import JobStalled, JobTimeout, WorkerError
 from nbdist.kernel.result import PerRank
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -114,9 +114,25 @@ def test_failure_mid_allreduce_rebuilds_the_group_and_names_what_was_dropped(fre
     assert magics.session.variables == [] and magics.session.cells == []
     with pytest.raises(WorkerError, match="name 'model' is not defined"):
         sh.run_cell_magic("distrain", "", "model\n")
+    # The group is gone: an --on cell sets up a new one with the ranks it leaves out.
+    start = time.monotonic()
+    assert sh.run_cell_magic("distrain", "--on 0 --stall 5", "dist.get_world_size()") == 2
+    assert time.monotonic() - start < 5
     sh.run_cell_magic("distrain", "", BUILD)
     assert isinstance(sh.run_cell_magic("distrain", "--no-plot", TRAIN), PerRank)
     assert sh.run_line_magic("distrain", "compare model").identical
+
+
+def test_an_error_on_one_rank_with_the_others_done_keeps_the_variables(fresh_session, magics):
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "", BUILD)
+    with pytest.raises(WorkerError) as info:
+        sh.run_cell_magic("distrain", "", "if is_main:\n    model.wieght\n")
+    assert info.value.ranks == [0]
+    assert str(info.value).endswith("fix the cell and run it again.")
+    assert "model" in magics.session.variables
+    # --backend gloo is the group these cells already have: nothing is rebuilt.
+    assert isinstance(sh.run_cell_magic("distrain", "--backend gloo --no-plot", TRAIN), PerRank)
 
 
 def test_reset_gives_the_memory_back(fresh_session, magics, capsys):
@@ -161,6 +177,11 @@ def test_on_some_ranks(fresh_session, magics):
         "only ranks 0."
     )
     assert "variables were dropped (x)" in str(info.value)
+    assert sh.run_cell_magic("distrain", "", "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == 2
+    pids = [e.pid for e in magics.cluster.engines]
+    with pytest.raises(JobTimeout, match="ran past --timeout 2 s"):
+        sh.run_cell_magic("distrain", "--on 0 --timeout 2", "dist.all_reduce(torch.ones(1))\n")
+    assert [e.pid for e in magics.cluster.engines] == pids  # freed by rank 1, not killed
     assert sh.run_cell_magic("distrain", "", "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == 2
     with pytest.raises(UsageError, match="--on 5 does not exist; ranks go from 0 to 1"):
         sh.run_cell_magic("distrain", "--on 5", "x = 1\n")

@@ -160,7 +160,7 @@ def test_push_and_pull(ready):
 def test_pull_of_missing_name_names_it(ready):
     with pytest.raises(UsageError) as info:
         ready.run_cell_magic("distrain", "--pull nothere", "x = torch.ones(1)\n")
-    assert "--pull nothere: no variable 'nothere' on rank 0" in str(info.value)
+    assert "--pull: no variable 'nothere' on this worker (rank 0)" in str(info.value)
 
 
 def test_seed_snippet_with_its_own_init_process_group(ready):

@@ -207,8 +207,11 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     mode = _mode(spec.options)
     timeout = collective_timeout(spec.options)
     strategy = slot.get("strategy")
-    if strategy is not None and slot.get("strategy_key") == (mode, timeout):
-        pass  # the session's strategy: models built in its scope in earlier cells still work
+    if strategy is not None and slot.get("strategy_key") == mode:
+        # The session's strategy, with the collective timeout it was made with: models built
+        # in its scope in earlier cells must keep working, so a later --timeout does not
+        # replace it.
+        pass
     elif mode == "mirrored":
         strategy = tf.distribute.MirroredStrategy()
     else:
@@ -229,7 +232,7 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
         )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         slot["tf_config"] = tf_config
-    slot.update(mode=mode, strategy=strategy, strategy_key=(mode, timeout))
+    slot.update(mode=mode, strategy=strategy, strategy_key=mode)
     with _autolog(state.recorder, spec.world_size):
         yield {"tf": tf, "strategy": strategy}
 
