@@ -10,10 +10,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +25,7 @@ from nbdist.engine.hardware import (
     visible_gpus,
 )
 from nbdist.errors import ClusterError
-from nbdist.kernel.engines import (
-    EngineInfo,
-    connected_text,
-    cpu_seconds,
-    gone,
-    kill_trees,
-    rank_engines,
-    status_text,
-)
+from nbdist.kernel.engines import EngineInfo, RankedEngines, rank_engines, shutdown_engines
 from nbdist.kernel.netns import PrivateNetwork, wait_for_files
 from nbdist.kernel.runfiles import Reaper, clean_stale, run_dir
 
@@ -61,7 +52,7 @@ class Rendezvous:
     envs: list[dict[str, str]] = field(default_factory=list)
 
 
-class LocalCluster:
+class LocalCluster(RankedEngines):
     """A local ipyparallel cluster owned by this kernel, stopped when the kernel exits.
 
     Parameters
@@ -90,14 +81,6 @@ class LocalCluster:
         self.curve = True
 
     # -- lifecycle -------------------------------------------------------------------------------
-    @property
-    def running(self) -> bool:
-        return self._client is not None
-
-    @property
-    def size(self) -> int:
-        return len(self.engines)
-
     def start(self, n: int | None = None) -> None:
         """Start a controller on loopback and ``n`` engines, and learn what each can use."""
         import ipyparallel as ipp
@@ -192,7 +175,7 @@ class LocalCluster:
         self._forget_engines()
         if client is not None:
             if cluster is not None and cluster.engines and pids:
-                self._shutdown_engines(client, pids)
+                shutdown_engines(client, pids)
             try:
                 client.close()
             except Exception:  # a closing client can only fail on its own sockets
@@ -204,34 +187,6 @@ class LocalCluster:
         reaper, self._reaper = self._reaper, None
         if reaper is not None:
             reaper.stop()
-
-    @staticmethod
-    def _shutdown_engines(client: Any, pids: list[int]) -> None:
-        """Ask engines to exit, then SIGKILL any still there after a second.
-
-        Engines that ran a gloo or TF collective often ignore SIGTERM, and the launcher would
-        wait for each in turn; a shutdown request followed by SIGKILL takes one second at most.
-        """
-        import psutil
-
-        try:
-            client.shutdown(targets="all", hub=False, block=False)
-        except Exception:  # engines already gone: nothing to ask
-            log.debug("engine shutdown request failed", exc_info=True)
-        procs = []
-        for pid in pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=1)
-        for proc in alive:
-            try:
-                for child in proc.children(recursive=True):
-                    child.kill()
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
 
     def _record_pids(self) -> None:
         """Write every process of this cluster that exists now to the run record: the reaper
@@ -261,47 +216,12 @@ class LocalCluster:
         """Attach to an ipyparallel cluster started elsewhere (``ipcluster start`` with any
         launcher, or a controller and engines started by hand); its engines become the workers.
         """
-        import ipyparallel as ipp
+        from nbdist.kernel.connfile import open_client
 
-        from nbdist.kernel.connfile import check_connection_file, check_profile
-
-        if url_file is not None:
-            check_connection_file(url_file)
-        else:
-            check_profile(profile=profile, profile_dir=profile_dir, cluster_id=cluster_id)
-        if self.running:
-            self._notify("nbdist: leaving the current cluster for the one to connect to")
-            self.stop()
-        if url_file is not None:
-            where = f"connection file {url_file}"
-            kwargs: dict[str, Any] = {"connection_info": url_file}
-        else:
-            where = f"profile {profile or 'default'}" + (
-                f", cluster id {cluster_id}" if cluster_id else ""
-            )
-            kwargs = {"profile": profile, "profile_dir": profile_dir, "cluster_id": cluster_id}
-        try:
-            client = ipp.Client(timeout=timeout, **kwargs)
-        except Exception as e:
-            raise ClusterError(
-                f"could not connect to the ipyparallel cluster ({where}): {e}. Is it running? "
-                "Start it with: ipcluster start -n N --profile NAME (or check the profile, "
-                "cluster id or connection file)."
-            ) from None
-        try:
-            client.wait_for_engines(1, timeout=timeout, interactive=False)
-            # Engines that register in a burst: give the rest a moment to arrive.
-            seen, stable_since = len(client.ids), time.monotonic()
-            while time.monotonic() - stable_since < 1.0:
-                time.sleep(0.1)
-                if len(client.ids) != seen:
-                    seen, stable_since = len(client.ids), time.monotonic()
-        except Exception as e:
-            client.close()
-            raise ClusterError(
-                f"connected to the controller ({where}) but no engine registered within "
-                f"{timeout:.0f} s: {e}. Start engines with: ipcluster engines -n N --profile NAME."
-            ) from None
+        client, where = open_client(
+            profile=profile, cluster_id=cluster_id, profile_dir=profile_dir, url_file=url_file,
+            timeout=timeout, before=self._leave_for_another,
+        )  # fmt: skip
         self._client, self._cluster = client, None
         self.owned, self.source = False, f"a connected ipyparallel cluster ({where})"
         self.stale, self.exposure_told = None, False
@@ -319,6 +239,11 @@ class LocalCluster:
                 f"({type(e).__name__}: {e}). Are they busy, or is nbdist missing from their "
                 "Python environment (pip install nbdist there)?"
             ) from None
+
+    def _leave_for_another(self) -> None:
+        if self.running:
+            self._notify("nbdist: leaving the current cluster for the one to connect to")
+            self.stop()
 
     def _not_ours(self) -> str:
         return (
@@ -365,7 +290,7 @@ class LocalCluster:
             self._notify(notice)
         n = n or self.size
         self._check_gpus(n)
-        self._shutdown_engines(self._client, [e.pid for e in self.engines])
+        shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
         self._record_pids()
@@ -447,66 +372,3 @@ class LocalCluster:
 
         # ipyparallel keeps the connection file's content, the interface made concrete, here.
         return urlparse(self._client._config["interface"]).hostname or LOOPBACK
-
-    # -- work ------------------------------------------------------------------------------------
-    def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult."""
-        return self._client[self.engines[rank].engine_id].apply_async(fn, *args, **kwargs)
-
-    def apply_all(
-        self,
-        fn: Callable[..., Any],
-        per_rank: Callable[[EngineInfo], dict],
-        ranks: Sequence[int] | None = None,
-    ) -> list:
-        """Run ``fn(**per_rank(engine))`` on every engine (or ``ranks``) at once; in rank order."""
-        chosen = self.engines if ranks is None else [self.engines[r] for r in ranks]
-        ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in chosen]
-        return [ar.get() for ar in ars]
-
-    def interrupt(self, ranks: Sequence[int]) -> None:
-        """SIGINT the engines of ``ranks`` (a KeyboardInterrupt in the running cell)."""
-        targets = [self.engines[r].engine_id for r in ranks]
-        if targets:
-            self._client.send_signal(signal.SIGINT, targets=targets, block=False)
-
-    def kill(self, ranks: Sequence[int]) -> None:
-        """SIGKILL the engines of ``ranks``: for ranks that ignored the interrupt."""
-        if not self.owned:  # engines may be on other hosts: their nannies deliver the signal
-            targets = [self.engines[r].engine_id for r in ranks]
-            if targets:
-                self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
-            return
-        kill_trees(self.engines[r].pid for r in ranks)
-
-    def dead(self, ranks: Sequence[int]) -> list[int]:
-        """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
-        if not self.owned:  # no process to look at: an engine is dead when the hub says so
-            alive = set(self._client.ids)
-            return [r for r in ranks if self.engines[r].engine_id not in alive]
-        return [r for r in ranks if gone(self.engines[r].pid)]
-
-    def cpu_seconds(self, ranks: Sequence[int]) -> dict[int, float] | None:
-        """CPU time (user + system) each rank's engine process has used; None when nbdist cannot
-        see the processes (a connected cluster, whose engines may be on other hosts)."""
-        if not self.owned:
-            return None
-        seconds = {r: cpu_seconds(self.engines[r].pid) for r in ranks}
-        return {r: t for r, t in seconds.items() if t is not None}
-
-    def busy(self) -> dict[int, int]:
-        """Tasks queued or running per rank."""
-        status = self._client.queue_status()
-        return {
-            e.rank: status.get(e.engine_id, {}).get("queue", 0)
-            + status.get(e.engine_id, {}).get("tasks", 0)
-            for e in self.engines
-        }
-
-    def connected_text(self) -> str:
-        return connected_text(self.engines)
-
-    def status_text(self) -> str:
-        if not self.running:
-            return "nbdist: no cluster running. %distrain start [-n N] starts one."
-        return status_text(self.engines, source=self.source, busy=self.busy(), warm=self.warm)

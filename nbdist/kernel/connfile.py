@@ -1,4 +1,5 @@
-"""What ``%distrain connect`` trusts before it hands a connection file to ipyparallel.
+"""``%distrain connect``: what it trusts before it hands a connection file to ipyparallel,
+and the client it opens (:func:`open_client`).
 
 ipyparallel's client reads the controller's address, its message-signing key and the names of
 the functions that (un)serialise every message from the connection file, and *imports* those
@@ -12,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nbdist.errors import ClusterError
 
@@ -80,3 +84,53 @@ def check_profile(*, profile: str | None, profile_dir: str | None, cluster_id: s
     name = f"ipcontroller-{cluster_id}-client.json" if cluster_id else "ipcontroller-client.json"
     if (security / name).exists():
         check_connection_file(security / name)
+
+
+def open_client(
+    *,
+    profile: str | None,
+    cluster_id: str | None,
+    profile_dir: str | None,
+    url_file: str | None,
+    timeout: float,
+    before: Callable[[], None],
+) -> tuple[Any, str]:
+    """A Client of the cluster started elsewhere, once its engines have registered, and where it
+    is (for messages). ``before`` runs once the files are trusted, before connecting (the
+    notebook leaves its current cluster there)."""
+    import ipyparallel as ipp
+
+    if url_file is not None:
+        check_connection_file(url_file)
+        where = f"connection file {url_file}"
+        kwargs: dict[str, Any] = {"connection_info": url_file}
+    else:
+        check_profile(profile=profile, profile_dir=profile_dir, cluster_id=cluster_id)
+        where = f"profile {profile or 'default'}" + (
+            f", cluster id {cluster_id}" if cluster_id else ""
+        )
+        kwargs = {"profile": profile, "profile_dir": profile_dir, "cluster_id": cluster_id}
+    before()
+    try:
+        client = ipp.Client(timeout=timeout, **kwargs)
+    except Exception as e:
+        raise ClusterError(
+            f"could not connect to the ipyparallel cluster ({where}): {e}. Is it running? "
+            "Start it with: ipcluster start -n N --profile NAME (or check the profile, "
+            "cluster id or connection file)."
+        ) from None
+    try:
+        client.wait_for_engines(1, timeout=timeout, interactive=False)
+        # Engines that register in a burst: give the rest a moment to arrive.
+        seen, stable_since = len(client.ids), time.monotonic()
+        while time.monotonic() - stable_since < 1.0:
+            time.sleep(0.1)
+            if len(client.ids) != seen:
+                seen, stable_since = len(client.ids), time.monotonic()
+    except Exception as e:
+        client.close()
+        raise ClusterError(
+            f"connected to the controller ({where}) but no engine registered within "
+            f"{timeout:.0f} s: {e}. Start engines with: ipcluster engines -n N --profile NAME."
+        ) from None
+    return client, where

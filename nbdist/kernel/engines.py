@@ -1,4 +1,5 @@
-"""The ranked view of a cluster's engines, and the local processes behind them.
+"""The ranked view of a cluster's engines (:class:`RankedEngines`), and the local processes
+behind them.
 
 A rank is a *position* in the engines ordered by host address, then engine id, never the id
 itself: ids change when engines are replaced. Ranks are contiguous per host (``LOCAL_RANK``,
@@ -9,9 +10,13 @@ data out (``rank_engines``, the status text) or works on local PIDs (``kill_tree
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import signal
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,28 @@ def kill_trees(pids: Iterable[int]) -> None:
                 pass
 
 
+def shutdown_engines(client: Any, pids: list[int]) -> None:
+    """Ask engines to exit, then SIGKILL any still there after a second.
+
+    Engines that ran a gloo or TF collective often ignore SIGTERM, and the launcher would
+    wait for each in turn; a shutdown request followed by SIGKILL takes one second at most.
+    """
+    import psutil
+
+    try:
+        client.shutdown(targets="all", hub=False, block=False)
+    except Exception:  # engines already gone: nothing to ask
+        log.debug("engine shutdown request failed", exc_info=True)
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=1)
+    kill_trees(proc.pid for proc in alive)
+
+
 def gone(pid: int) -> bool:
     """Whether the process is gone (or a zombie)."""
     import psutil
@@ -165,3 +192,88 @@ def cpu_seconds(pid: int) -> float | None:
             continue
         total += t.user + t.system
     return total
+
+
+class RankedEngines:
+    """The engines of a cluster, by rank: run work on them, signal them, watch them.
+
+    Mixed into :class:`~nbdist.kernel.cluster.LocalCluster`, which provides ``_client`` (the
+    ipyparallel Client), ``engines`` (rank order) and ``owned`` (True when this kernel started
+    the engines, so their processes are local and visible).
+    """
+
+    _client: Any
+    engines: list[EngineInfo]
+    owned: bool
+    source: str
+    warm: set[str]
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def size(self) -> int:
+        return len(self.engines)
+
+    def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult."""
+        return self._client[self.engines[rank].engine_id].apply_async(fn, *args, **kwargs)
+
+    def apply_all(
+        self,
+        fn: Callable[..., Any],
+        per_rank: Callable[[EngineInfo], dict],
+        ranks: Sequence[int] | None = None,
+    ) -> list:
+        """Run ``fn(**per_rank(engine))`` on every engine (or ``ranks``) at once; in rank order."""
+        chosen = self.engines if ranks is None else [self.engines[r] for r in ranks]
+        ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in chosen]
+        return [ar.get() for ar in ars]
+
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """SIGINT the engines of ``ranks`` (a KeyboardInterrupt in the running cell)."""
+        targets = [self.engines[r].engine_id for r in ranks]
+        if targets:
+            self._client.send_signal(signal.SIGINT, targets=targets, block=False)
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """SIGKILL the engines of ``ranks``: for ranks that ignored the interrupt."""
+        if not self.owned:  # engines may be on other hosts: their nannies deliver the signal
+            targets = [self.engines[r].engine_id for r in ranks]
+            if targets:
+                self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
+            return
+        kill_trees(self.engines[r].pid for r in ranks)
+
+    def dead(self, ranks: Sequence[int]) -> list[int]:
+        """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
+        if not self.owned:  # no process to look at: an engine is dead when the hub says so
+            alive = set(self._client.ids)
+            return [r for r in ranks if self.engines[r].engine_id not in alive]
+        return [r for r in ranks if gone(self.engines[r].pid)]
+
+    def cpu_seconds(self, ranks: Sequence[int]) -> dict[int, float] | None:
+        """CPU time (user + system) each rank's engine process has used; None when nbdist cannot
+        see the processes (a connected cluster, whose engines may be on other hosts)."""
+        if not self.owned:
+            return None
+        seconds = {r: cpu_seconds(self.engines[r].pid) for r in ranks}
+        return {r: t for r, t in seconds.items() if t is not None}
+
+    def busy(self) -> dict[int, int]:
+        """Tasks queued or running per rank."""
+        status = self._client.queue_status()
+        return {
+            e.rank: status.get(e.engine_id, {}).get("queue", 0)
+            + status.get(e.engine_id, {}).get("tasks", 0)
+            for e in self.engines
+        }
+
+    def connected_text(self) -> str:
+        return connected_text(self.engines)
+
+    def status_text(self) -> str:
+        if not self.running:
+            return "nbdist: no cluster running. %distrain start [-n N] starts one."
+        return status_text(self.engines, source=self.source, busy=self.busy(), warm=self.warm)

@@ -35,6 +35,7 @@ from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream
 from nbdist.kernel.relay import OutputRelay
+from nbdist.kernel.watch import IDLE_CPU_SHARE, Watch
 
 log = logging.getLogger(__name__)
 
@@ -50,63 +51,8 @@ POLL_S = 0.005  # a trivial warm cell takes ~15 ms on the engines: poll finer th
 PUMP_EVERY_S = 0.05
 LIVENESS_EVERY_S = 0.25
 CPU_SAMPLE_EVERY_S = 1.0
-IDLE_CPU_SHARE = 0.1  # below 10% of one core, an engine counts as waiting, not working
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
-
-
-@dataclass
-class Watch:
-    """Why the job is being stopped, and when each escalation step happened.
-
-    Ranks here are positions in the job (``Job.ranks[i]`` is the session rank).
-    """
-
-    reason: str | None = None  # "failure", "timeout", "stalled", "interrupt", "died"
-    since: float = 0.0
-    interrupted: bool = False
-    stalled: dict[str, Any] = field(default_factory=dict)  # who stalled, when, at which step
-    progress: dict[int, float] = field(default_factory=dict)  # rank -> last progress (monotonic)
-    first_progress: float | None = None
-    killed: list[int] = field(default_factory=list)
-    dead: list[int] = field(default_factory=list)
-    # Before any progress: each rank's engine CPU time at the last sample, and when it was last
-    # seen using the CPU. Every rank idle for the stall limit = they wait on each other.
-    cpu: dict[int, float] = field(default_factory=dict)
-    cpu_at: float = 0.0
-    busy_at: dict[int, float] = field(default_factory=dict)
-
-    def note_progress(self, rank: int, now: float) -> None:
-        self.progress[rank] = now
-        if self.first_progress is None:
-            self.first_progress = now
-
-    def stuck(self, pending: list[int], now: float, limit: float) -> list[int]:
-        """Pending ranks with no progress for ``limit`` s (counted from the first progress)."""
-        if self.first_progress is None:
-            return []
-        return [r for r in pending if now - self.progress.get(r, self.first_progress) > limit]
-
-    def sample_cpu(self, cpu: dict[int, float] | None, now: float) -> None:
-        if cpu is None:
-            return
-        dt = now - self.cpu_at
-        for rank, seconds in cpu.items():
-            if rank not in self.cpu or seconds - self.cpu[rank] > IDLE_CPU_SHARE * dt:
-                self.busy_at[rank] = now
-        self.cpu, self.cpu_at = cpu, now
-
-    def all_idle(self, pending: list[int], now: float, limit: float) -> bool:
-        """No progress yet, and every pending rank has used (almost) no CPU for ``limit`` s."""
-        return (
-            self.first_progress is None
-            and bool(pending)
-            and all(r in self.busy_at and now - self.busy_at[r] > limit for r in pending)
-        )
-
-    def start(self, reason: str, now: float) -> None:
-        if self.reason is None:
-            self.reason, self.since = reason, now
 
 
 @dataclass
@@ -204,9 +150,9 @@ class Job:
                 ar.get(RELEASED_WAIT_S)
             except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
                 log.debug("a left-out rank could not join the group", exc_info=True)
-        self._collect(outcome)
+        collect(outcome, self.specs, self.cluster)
         expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
-        self._drain(ars, expected)
+        drain(self.stream, ars, expected)
         outcome.history = self.stream.history
         outcome.meta = self.stream.meta[0]
         return outcome
@@ -359,49 +305,6 @@ class Job:
         dead = set(self.cluster.dead([self.ranks[p] for p in positions]))
         return [p for p in positions if self.ranks[p] in dead]
 
-    def _drain(self, ars: list[Any], expected: list[int]) -> None:
-        """Read the metrics messages still in flight when the results arrived."""
-        deadline = time.monotonic() + LAST_METRICS_WAIT_S
-        while True:
-            for pos, ar in enumerate(ars):
-                self.stream.pump(pos, ar.data)
-            if self.stream.complete(expected) or time.monotonic() > deadline:
-                return
-            time.sleep(POLL_S)
-
-    def _collect(self, outcome: Outcome) -> None:
-        """Reports of the ranks that finished; failures; ranks that had to be stopped."""
-        watch = outcome.watch
-        for pos, (spec, ar) in enumerate(zip(self.specs, outcome.ars, strict=True)):
-            if not ar.ready() or pos in watch.dead or pos in watch.killed:
-                if pos not in watch.dead:
-                    outcome.stopped.append(spec.rank)
-                continue
-            try:
-                report = ar.get(0)
-            except Exception as e:  # the engine itself failed to run the task
-                host = (
-                    self.cluster.engines[spec.rank].host if spec.rank < self.cluster.size else "?"
-                )
-                outcome.failures.append(
-                    RankFailure(
-                        rank=spec.rank,
-                        host=host,
-                        exc_type=type(e).__name__,
-                        message=str(e),
-                        traceback=str(e),
-                        time=time.time(),
-                    )
-                )
-                continue
-            outcome.reports[pos] = report
-            f = report["failure"]
-            if f is not None:
-                if f["exc_type"] == "KeyboardInterrupt" and watch.interrupted:
-                    outcome.stopped.append(spec.rank)
-                    continue
-                outcome.failures.append(RankFailure(**f))
-
 
 def states(ars: list[Any], watch: Watch) -> list[str]:
     """Each rank's state for the panel."""
@@ -429,3 +332,46 @@ def _failed(ar: Any) -> bool:
         return ar.get(0)["failure"] is not None
     except Exception:
         return True
+
+
+def drain(stream: MetricsStream, ars: list[Any], expected: list[int]) -> None:
+    """Read the metrics messages still in flight when the results arrived."""
+    deadline = time.monotonic() + LAST_METRICS_WAIT_S
+    while True:
+        for pos, ar in enumerate(ars):
+            stream.pump(pos, ar.data)
+        if stream.complete(expected) or time.monotonic() > deadline:
+            return
+        time.sleep(POLL_S)
+
+
+def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: LocalCluster) -> None:
+    """Reports of the ranks that finished; failures; ranks that had to be stopped."""
+    watch = outcome.watch
+    for pos, (spec, ar) in enumerate(zip(specs, outcome.ars, strict=True)):
+        if not ar.ready() or pos in watch.dead or pos in watch.killed:
+            if pos not in watch.dead:
+                outcome.stopped.append(spec.rank)
+            continue
+        try:
+            report = ar.get(0)
+        except Exception as e:  # the engine itself failed to run the task
+            host = cluster.engines[spec.rank].host if spec.rank < cluster.size else "?"
+            outcome.failures.append(
+                RankFailure(
+                    rank=spec.rank,
+                    host=host,
+                    exc_type=type(e).__name__,
+                    message=str(e),
+                    traceback=str(e),
+                    time=time.time(),
+                )
+            )
+            continue
+        outcome.reports[pos] = report
+        f = report["failure"]
+        if f is not None:
+            if f["exc_type"] == "KeyboardInterrupt" and watch.interrupted:
+                outcome.stopped.append(spec.rank)
+                continue
+            outcome.failures.append(RankFailure(**f))
