@@ -20,12 +20,17 @@ from nbdist.engine import worker
 from nbdist.engine.hardware import (
     busy_gpus_notice,
     gpu_holders,
-    is_loopback,
     usable_cpus,
     visible_gpus,
 )
 from nbdist.errors import ClusterError
-from nbdist.kernel.engines import EngineInfo, RankedEngines, rank_engines, shutdown_engines
+from nbdist.kernel.engines import (
+    EngineInfo,
+    RankedEngines,
+    rank_engines,
+    settle_addresses,
+    shutdown_engines,
+)
 from nbdist.kernel.netns import PrivateNetwork, wait_for_files
 from nbdist.kernel.runfiles import Reaper, clean_stale, run_dir
 
@@ -83,15 +88,12 @@ class LocalCluster(RankedEngines):
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, n: int | None = None) -> None:
         """Start a controller on loopback and ``n`` engines, and learn what each can use."""
-        import ipyparallel as ipp
-        from traitlets.config import Config
-
         if self.running:
             return
         self.owned, self.source = True, LOCAL_SOURCE
         self.stale, self.exposure_told = None, False
         n = n or default_workers()
-        self._check_gpus(n)
+        _check_gpus(n)
         busy = busy_gpus_notice(visible_gpus(), gpu_holders(), me=os.getpid())
         if busy:
             self._notify(busy)
@@ -101,10 +103,6 @@ class LocalCluster(RankedEngines):
                 f"nbdist: stopped {cleaned} leftover cluster process"
                 f"{'es' if cleaned > 1 else ''} of a kernel that had crashed"
             )
-        config = Config()
-        # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
-        config.LocalProcessLauncher.stop_seconds_until_kill = 1
-        config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
         folder = run_dir()
         self._reaper = Reaper(folder)
         self.network = PrivateNetwork(self._reaper.record.sockets)
@@ -114,23 +112,7 @@ class LocalCluster(RankedEngines):
         try:
             self.network.start()  # the holder starts meanwhile; its namespace is awaited below
             self._record_pids()
-            cluster = ipp.Cluster(
-                n=n,
-                # The hub registers an engine at its first heartbeat: with the default 3 s
-                # period, engines wait ~4 s idle before they are usable. 0.5 s brings a cold
-                # start from ~7 s to ~3 s; 20 misses: a silent engine counts as dead after 10 s.
-                controller_args=[
-                    f"--HeartMonitor.period={HEARTBEAT_MS}",
-                    f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
-                    # Every message between kernel, controller and engines encrypted.
-                    f"--IPController.enable_curve={self.curve}",
-                    *self.network.controller_args(),
-                ],
-                # WARNING would print every replaced engine's whole log into the cell.
-                log_level=logging.ERROR,
-                config=config,
-                load_profile=False,
-            )
+            cluster = _ipp_cluster(n, curve=self.curve, network=self.network)
             self._cluster = cluster
             # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
             atexit.register(self.stop)
@@ -143,7 +125,9 @@ class LocalCluster(RankedEngines):
                     f"nbdist: the workers share this machine's network ({self.network.reason}); "
                     "multi-worker TensorFlow jobs will need --expose-tf"
                 )
-            self._engine_env(cluster.config, n)
+            cluster.config.LocalEngineSetLauncher.environment = _engine_env(
+                self.preload, n, self.network
+            )
             self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
             cluster.start_engines_sync(n)
             self._record_pids()
@@ -289,12 +273,14 @@ class LocalCluster(RankedEngines):
         if notice:
             self._notify(notice)
         n = n or self.size
-        self._check_gpus(n)
+        _check_gpus(n)
         shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
         self._record_pids()
-        self._engine_env(self._cluster.config, n)
+        self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
+            self.preload, n, self.network
+        )
         self._cluster.start_engines_sync(n)
         self._record_pids()
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
@@ -306,57 +292,16 @@ class LocalCluster(RankedEngines):
             time.sleep(0.05)
         self._learn_engines()
 
-    def _engine_env(self, config: Any, n: int) -> None:
-        """The environment new engines start with."""
-        # torch only: importing it starts no threads and touches no device. TensorFlow starts
-        # its runtime at import (and loads CUDA libraries before the GPU pinning); it is
-        # imported by the warm-up call, after the engine registered.
-        preload = self.preload if self.preload == "torch" else None
-        env = {"NBDIST_PRELOAD": preload or ""}
-        if self.network is not None:
-            env.update(self.network.engine_env())
-        if "OMP_NUM_THREADS" not in os.environ:
-            # As torchrun does: OpenMP pools sized before the framework starts. Setting torch's
-            # threads later is not enough; measured here, 2 workers' steps were ~6% slower.
-            env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
-        config.LocalEngineSetLauncher.environment = env
-
     def _forget_engines(self) -> None:
         self.engines = []
         self.warm = set()
         self.rendezvous = {}
 
-    def _check_gpus(self, n: int) -> None:
-        from IPython.core.error import UsageError
-
-        gpus = visible_gpus()
-        if gpus and n > len(gpus):
-            raise UsageError(
-                f"%%distrain: -n {n} asks for more workers than the {len(gpus)} visible GPUs "
-                f"(one worker per GPU); use -n {len(gpus)}."
-            )
-
     def _learn_engines(self, timeout: float | None = None) -> None:
         ids = sorted(self._client.ids)
         peer = LOOPBACK if self.owned else self._controller_host()
         infos = self._client[ids].apply_async(worker.engine_info, peer).get(timeout=timeout)
-        if self.owned:
-            for info in infos:
-                info["address"] = LOOPBACK
-        elif len({info["host"] for info in infos}) > 1:
-            # Several hosts, but the controller was reached over loopback (it listens on every
-            # interface and this notebook runs on its host): an engine's route to "127.0.0.1"
-            # is its own loopback. Use the host's own non-loopback address instead.
-            for info in infos:
-                if is_loopback(info["address"]):
-                    if not info["addresses"]:
-                        raise ClusterError(
-                            f"engine on {info['host']} has no address other hosts can reach; "
-                            "set NBDIST_ADDRESS in its environment (ipcluster_config.py: "
-                            "c.EngineLauncher.environment) and %distrain connect again."
-                        )
-                    info["address"] = info["addresses"][0]
-        engines = rank_engines(ids, infos)
+        engines = rank_engines(ids, settle_addresses(infos, local=LOOPBACK if self.owned else None))
         ids = [e.engine_id for e in engines]
         self._client[ids].map_sync(worker.pin_gpu, [e.gpu for e in engines])
         if not self.owned:
@@ -372,3 +317,58 @@ class LocalCluster(RankedEngines):
 
         # ipyparallel keeps the connection file's content, the interface made concrete, here.
         return urlparse(self._client._config["interface"]).hostname or LOOPBACK
+
+
+def _ipp_cluster(n: int, *, curve: bool, network: Any) -> Any:
+    """The ipyparallel Cluster nbdist starts: nbdist's engine command, a fast heartbeat,
+    CurveZMQ, the controller's sockets where the private network wants them."""
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    config = Config()
+    # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
+    config.LocalProcessLauncher.stop_seconds_until_kill = 1
+    config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.engine.boot"]
+    return ipp.Cluster(
+        n=n,
+        # The hub registers an engine at its first heartbeat: with the default 3 s period,
+        # engines wait ~4 s idle before they are usable. 0.5 s brings a cold start from ~7 s
+        # to ~3 s; 20 misses: a silent engine counts as dead after 10 s.
+        controller_args=[
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}",
+            # Every message between kernel, controller and engines encrypted.
+            f"--IPController.enable_curve={curve}",
+            *network.controller_args(),
+        ],
+        # WARNING would print every replaced engine's whole log into the cell.
+        log_level=logging.ERROR,
+        config=config,
+        load_profile=False,
+    )
+
+
+def _engine_env(preload: str | None, n: int, network: Any) -> dict[str, str]:
+    """The environment new engines start with."""
+    # torch only: importing it starts no threads and touches no device. TensorFlow starts its
+    # runtime at import (and loads CUDA libraries before the GPU pinning); it is imported by
+    # the warm-up call, after the engine registered.
+    env = {"NBDIST_PRELOAD": preload if preload == "torch" else ""}
+    if network is not None:
+        env.update(network.engine_env())
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: OpenMP pools sized before the framework starts. Setting torch's
+        # threads later is not enough; measured here, 2 workers' steps were ~6% slower.
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
+    return env
+
+
+def _check_gpus(n: int) -> None:
+    from IPython.core.error import UsageError
+
+    gpus = visible_gpus()
+    if gpus and n > len(gpus):
+        raise UsageError(
+            f"%%distrain: -n {n} asks for more workers than the {len(gpus)} visible GPUs "
+            f"(one worker per GPU); use -n {len(gpus)}."
+        )

@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.engine.hardware import is_loopback
+from nbdist.errors import ClusterError
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +43,28 @@ def _host_key(address: str) -> tuple[Any, ...]:
     if len(parts) == 4 and all(p.isdigit() for p in parts):
         return (0, *(int(p) for p in parts))
     return (1, address)
+
+
+def settle_addresses(infos: list[dict[str, Any]], *, local: str | None) -> list[dict[str, Any]]:
+    """The address each engine's host is reached at: ``local`` for a cluster this kernel started
+    (all on this machine), else the one each engine reported."""
+    if local is not None:
+        for info in infos:
+            info["address"] = local
+    elif len({info["host"] for info in infos}) > 1:
+        # Several hosts, but the controller was reached over loopback (it listens on every
+        # interface and this notebook runs on its host): an engine's route to "127.0.0.1" is
+        # its own loopback. Use the host's own non-loopback address instead.
+        for info in infos:
+            if is_loopback(info["address"]):
+                if not info["addresses"]:
+                    raise ClusterError(
+                        f"engine on {info['host']} has no address other hosts can reach; set "
+                        "NBDIST_ADDRESS in its environment (ipcluster_config.py: "
+                        "c.EngineLauncher.environment) and %distrain connect again."
+                    )
+                info["address"] = info["addresses"][0]
+    return infos
 
 
 def rank_engines(ids: Sequence[int], infos: Sequence[dict[str, Any]]) -> list[EngineInfo]:

@@ -217,16 +217,44 @@ class Session:
         job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
                   world=world, left_out=left_out)  # fmt: skip
         try:
-            outcome = job.run()
-            state, dropped = failures.settle(self.cluster, outcome, framework)
-        except KeyboardInterrupt:  # a second interrupt while the ranks were being stopped
-            self.cluster.rendezvous.pop(framework, None)
-            self.forget()
-            raise JobInterrupted(
-                "interrupted again while the workers were being stopped; the next %%distrain "
-                "makes a new process group, and the workers' variables are dropped: re-run the "
-                "cells that build them."
-            ) from None
+            return self._finish(job, framework, world, opts, source, user_ns)
+        except KeyboardInterrupt:
+            # An interrupt outside the watch loop's own handling (a second one while the ranks
+            # were being stopped, or one while the results were being shown): stop what may
+            # still run and leave a clean session, never a raw traceback or a half state.
+            raise self._interrupted(job, framework) from None
+
+    def _interrupted(self, job: Job, framework: str) -> JobInterrupted:
+        self.cluster.rendezvous.pop(framework, None)  # whatever the ranks did: a new group
+        names: list[str] = []
+        try:
+            self.cluster.interrupt(job.ranks)
+            names = failures.drop(self.cluster, framework, list(range(self.cluster.size)))
+        except KeyboardInterrupt:  # yet another: the rendezvous is gone already, that is enough
+            pass
+        lost = sorted({*names, *self.variables})
+        self.forget()
+        error = JobInterrupted(
+            "interrupted (Stop button or Kernel > Interrupt); stopped ranks "
+            f"{', '.join(map(str, job.ranks))}."
+        )
+        error.state = failures.state_line("dropped", lost, connected_stale=self.cluster.stale)
+        return error
+
+    def _finish(
+        self,
+        job: Job,
+        framework: str,
+        world: int,
+        opts: RunOptions,
+        source: str,
+        user_ns: dict[str, Any],
+    ) -> tuple[DistrainResult, Any]:
+        """Run the job, settle the session, show the results; the value to show."""
+        live_view = job.live
+        specs = job.specs
+        outcome = job.run()
+        state, dropped = failures.settle(self.cluster, outcome, framework)
         meta = outcome.meta
         detail = (
             f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica "
