@@ -248,11 +248,23 @@ def test_unprivileged_user_gets_a_private_network():
     """As uid 4242 with no capabilities: the holder makes a user+network namespace, a process
     joins it keeping its uid, and what it listens on is refused from the namespace outside. The
     system Python runs it: the holder and the join use only the standard library."""
+    import shutil
+    import tempfile
+
     from nbdist.engine import netns
 
-    out = subprocess.run(
-        ["/usr/bin/setpriv", "--reuid=4242", "--regid=4242", "--clear-groups",
-         "/usr/bin/python3", "-c", UNPRIVILEGED, netns.__file__],
-        capture_output=True, text=True, timeout=60, cwd="/",
-    )  # fmt: skip
+    # A copy uid 4242 can read: the checkout may sit in a folder only its owner can enter
+    # (a clone under mktemp -d, say).
+    folder = tempfile.mkdtemp()
+    try:
+        os.chmod(folder, 0o755)
+        script = shutil.copy(netns.__file__, os.path.join(folder, "netns.py"))
+        os.chmod(script, 0o644)
+        out = subprocess.run(
+            ["/usr/bin/setpriv", "--reuid=4242", "--regid=4242", "--clear-groups",
+             "/usr/bin/python3", "-c", UNPRIVILEGED, script],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(folder)
     assert out.stdout == "ready ['lo'] 4242 4242 True ECONNREFUSED 0\n", out.stderr
