@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
 import sys
@@ -97,6 +98,7 @@ def join_from_env() -> None:
 
 def hold(mode: str) -> None:
     """The holder: make the namespace, say ``ready``, keep it until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel, not for us
     try:
         unshare(user=mode == "user")
         loopback_up()

@@ -80,6 +80,10 @@ class PrivateNetwork:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            # Jupyter interrupts a kernel by SIGINT to its whole process group (the Stop
+            # button, Kernel > Interrupt): the holder must outlive that, or replacement engines
+            # have no namespace to join. It still goes when the kernel does (stdin closes).
+            start_new_session=True,
         )
 
     def ready(self) -> None:

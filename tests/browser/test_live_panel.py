@@ -147,7 +147,12 @@ def test_panel_updates_and_stop_ends_the_run(lab):
         except Exception:
             page.screenshot(path=str(SHOTS / "2_stop_timed_out.png"))
             button = page.locator(".jp-OutputArea button").last.inner_text()
-            pytest.fail(f"no 'stopped ranks' 30 s after Stop; the button says {button!r}")
+            outputs = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea").inner_text()
+            (SHOTS / "2_stop_timed_out.txt").write_text(outputs)
+            pytest.fail(
+                f"no 'stopped ranks' 30 s after Stop; the button says {button!r}; the cell's "
+                f"outputs end with: {outputs[-3000:]}"
+            )
         stopped_after = time.monotonic() - clicked
         page.get_by_text("nbdist: final loss").wait_for(timeout=30_000)
         assert page.locator(".jp-OutputArea .jp-RenderedImage img").count() >= 1

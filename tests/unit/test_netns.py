@@ -75,6 +75,21 @@ def test_joined_process_listens_only_on_the_private_loopback(network, monkeypatc
     assert child.returncode == 0
 
 
+def test_holder_outlives_an_interrupt_of_the_kernels_process_group(network):
+    """Jupyter interrupts a kernel with SIGINT to its process group; the holder is not in it,
+    and ignores SIGINT anyway."""
+    import signal
+    import time
+
+    network.start()
+    network.ready()
+    holder = network.holder
+    assert os.getpgid(holder.pid) != os.getpgid(0)
+    os.kill(holder.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert holder.poll() is None
+
+
 def test_holder_exits_when_stopped(network):
     network.start()
     network.ready()
