@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from nbdist.engine.hardware import is_loopback
 from nbdist.errors import ClusterError
 
 log = logging.getLogger(__name__)
+
+SETUP_TIMEOUT_S = 120.0  # importing TensorFlow on a busy 2-core machine takes ~10 s
 
 
 @dataclass(frozen=True)
@@ -251,10 +254,25 @@ class RankedEngines:
         per_rank: Callable[[EngineInfo], dict],
         ranks: Sequence[int] | None = None,
     ) -> list:
-        """Run ``fn(**per_rank(engine))`` on every engine (or ``ranks``) at once; in rank order."""
+        """Run ``fn(**per_rank(engine))`` on every engine (or ``ranks``) at once; in rank order.
+
+        Set-up work (imports, a rendezvous): an engine that does not answer within
+        ``SETUP_TIMEOUT_S`` is a ClusterError naming its rank, not a wait without end.
+        """
         chosen = self.engines if ranks is None else [self.engines[r] for r in ranks]
         ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in chosen]
-        return [ar.get() for ar in ars]
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        out = []
+        for e, ar in zip(chosen, ars, strict=True):
+            try:
+                out.append(ar.get(max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                raise ClusterError(
+                    f"rank {e.rank} (host {e.host}, pid {e.pid}) did not answer within "
+                    f"{SETUP_TIMEOUT_S:g} s while setting up; is a cell still running there? "
+                    "%distrain status shows it; %distrain restart gives fresh workers."
+                ) from None
+        return out
 
     def interrupt(self, ranks: Sequence[int]) -> None:
         """SIGINT the engines of ``ranks`` (a KeyboardInterrupt in the running cell)."""
