@@ -45,6 +45,7 @@ __all__ = [
     "pin_gpu",
     "prepare",
     "run_rank",
+    "run_source",
     "set_address",
     "warm_up",
 ]
@@ -105,7 +106,7 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
     return tree, None
 
 
-def _run_cell(source: str, filename: str, namespace: dict[str, Any]) -> Any:
+def run_source(source: str, filename: str, namespace: dict[str, Any]) -> Any:
     """Run the cell like IPython does: statements, then the value of a final expression."""
     # Register the source so tracebacks show the cell's lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -178,7 +179,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
             )
             namespace.update(spec.push)
             _figures_as_png(state)
-            value = _run_cell(spec.source, spec.filename, namespace)
+            value = run_source(spec.source, spec.filename, namespace)
             report["value"] = value if _picklable(value) else None
             report["value_repr"] = None if value is None else _repr(value)
             report["ok"] = True

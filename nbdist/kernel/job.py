@@ -23,8 +23,11 @@ What the outcome means for the session (kept variables or a rebuilt group) is de
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +162,19 @@ class Job:
 
     # -- watching --------------------------------------------------------------------------------
     def _watch(self, ars: list[Any], start: float, release: float) -> None:
-        """Poll until every rank is done, escalating when something goes wrong."""
+        """Poll until every rank is done, escalating when something goes wrong.
+
+        The notebook's interrupt is taken as a flag that the loop reads, not as the
+        KeyboardInterrupt Python raises wherever the main thread happens to be: raised inside a
+        weakref callback or a ``__del__`` it is printed as "Exception ignored" and lost (seen
+        here: a Keras fit that the interrupt never reached).
+        """
+        with _sigint_as_flag() as interrupts:
+            self._poll(ars, start, release, interrupts)
+
+    def _poll(
+        self, ars: list[Any], start: float, release: float, interrupts: threading.Event
+    ) -> None:
         opts, watch, stream, live = self.opts, self.watch, self.stream, self.live
         peer_grace = release + PEER_GRACE_S
         kill_grace = release + KILL_GRACE_S
@@ -167,6 +182,9 @@ class Job:
         next_pump = 0.0
         while True:
             try:
+                if interrupts.is_set():
+                    interrupts.clear()
+                    raise KeyboardInterrupt
                 now = time.monotonic()
                 pending = [p for p, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
@@ -192,15 +210,10 @@ class Job:
                         # one furthest behind is the culprit, the others wait for it. (Their last
                         # points arrive in any order within a flush interval.)
                         stuck = watch.stuck(pending, now, opts.stall / 2)
-                        watch.stalled = {
-                            "ranks": [self.ranks[p] for p in stuck],
-                            "steps": {self.ranks[p]: s for p, s in enumerate(stream.last_step)},
-                            "idle": {
-                                self.ranks[p]: now - watch.progress.get(p, watch.first_progress)
-                                for p in stuck
-                            },
-                        }
-                        self._stall(pending, now, peer_grace)
+                        since = {p: watch.progress.get(p, watch.first_progress) for p in stuck}
+                        self._stall(
+                            pending, now, peer_grace, {p: now - t for p, t in since.items()}
+                        )
                 if (
                     watch.reason is None
                     and watch.first_progress is None
@@ -211,13 +224,8 @@ class Job:
                         cpu = {self.ranks.index(r): t for r, t in cpu.items()}
                     watch.sample_cpu(cpu, now)
                     if watch.all_idle(pending, now, opts.stall):
-                        watch.stalled = {
-                            "ranks": [self.ranks[p] for p in pending],
-                            "steps": {self.ranks[p]: s for p, s in enumerate(stream.last_step)},
-                            "idle": {self.ranks[p]: now - watch.busy_at[p] for p in pending},
-                            "all_idle": True,
-                        }
-                        self._stall(pending, now, peer_grace)
+                        idle = {p: now - watch.busy_at[p] for p in pending}
+                        self._stall(pending, now, peer_grace, idle, all_idle=True)
                 if now >= next_liveness:
                     next_liveness = now + LIVENESS_EVERY_S
                     dead = [p for p in self._dead(pending) if p not in watch.dead]
@@ -259,14 +267,29 @@ class Job:
                     watch.since = time.monotonic() - peer_grace
                     watch.interrupted = False
 
-    def _stall(self, pending: list[int], now: float, peer_grace: float) -> None:
-        """Stop a stalled job. Ranks that are not waiting (finished, or left out by ``--on``)
-        drop their part of the group first (the stop branch of the watch loop does it), which
-        fails the pending collectives; SIGINT follows only after the backend's release time."""
+    def _stall(
+        self,
+        pending: list[int],
+        now: float,
+        peer_grace: float,
+        idle_for: dict[int, float],
+        *,
+        all_idle: bool = False,
+    ) -> None:
+        """Stop a stalled job: ``idle_for`` holds the stalled positions and how long each has
+        been idle. Ranks that are not waiting (finished, or left out by ``--on``) drop their
+        part of the group first (the stop branch of the watch loop does it), which fails the
+        pending collectives; SIGINT follows only after the backend's release time."""
         running = {self.ranks[p] for p in pending}
-        idle = [r for r in range(self.world) if r not in running]
-        self.watch.stalled["released"] = idle
-        self.watch.start("stalled", now if idle else now - peer_grace)
+        released = [r for r in range(self.world) if r not in running]
+        self.watch.stalled = {
+            "ranks": [self.ranks[p] for p in idle_for],
+            "steps": {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)},
+            "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
+            "released": released,
+            **({"all_idle": True} if all_idle else {}),
+        }
+        self.watch.start("stalled", now if released else now - peer_grace)
 
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
@@ -375,3 +398,17 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: LocalCluster) 
                 outcome.stopped.append(spec.rank)
                 continue
             outcome.failures.append(RankFailure(**f))
+
+
+@contextmanager
+def _sigint_as_flag() -> Iterator[threading.Event]:
+    """SIGINT sets the yielded event (main thread only; elsewhere the event never fires)."""
+    interrupts = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.set())
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous)

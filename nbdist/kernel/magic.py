@@ -12,6 +12,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
+from nbdist.engine.worker import run_source
 from nbdist.kernel import commands
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.options import _names, _positive_int, parse_run_options, run_parser
@@ -274,15 +275,8 @@ class DistrainMagics(Magics):
             code = self.shell.transform_cell(cell)
         finally:
             self._local = False
-        tree = ast.parse(code)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        ns = self.shell.user_ns
-        exec(compile(tree, "<%%local>", "exec"), ns)  # noqa: S102 - the user's own cell
-        if last is not None and not cell.rstrip().endswith(";"):
-            return eval(compile(last, "<%%local>", "eval"), ns)  # noqa: S307
-        return None
+        value = run_source(code, "<%%local>", self.shell.user_ns)
+        return None if cell.rstrip().endswith(";") else value
 
     def _auto_prefix(self, lines: list[str]) -> list[str]:
         """With ``%distrain auto on``: a cell that starts with no ``%`` runs on the workers."""

@@ -175,6 +175,7 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
 
     def interrupt_when_training():
         deadline = time.monotonic() + 60
+        view = None
         while time.monotonic() < deadline:
             view = magics.session.view
             if view is not None and view is not before and any(view.agg.samples):
@@ -182,13 +183,24 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
                 os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
+        # Never leave a 100,000-epoch fit running: say what was seen, and stop it anyway.
+        missed.append(
+            {
+                "view": "none" if view is None else "previous" if view is before else "this run",
+                "points": None if view is None else view.agg.seen,
+                "samples": None if view is None else [len(s) for s in view.agg.samples],
+            }
+        )
+        os.kill(os.getpid(), signal.SIGINT)
 
     interrupted: list[float] = []
+    missed: list[dict] = []
     thread = threading.Thread(target=interrupt_when_training)
     thread.start()
     with pytest.raises(JobInterrupted, match="stopped ranks 0, 1"):
         tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=100000))
     thread.join()
+    assert interrupted, f"the live view showed no samples within 60 s: {missed}"
     # Measured 0.5-0.9 s here; now and then a TF engine exits on the SIGINT instead, and the
     # engines are replaced before the cell returns (a few seconds more).
     assert time.monotonic() - interrupted[0] < 5 + 10

@@ -397,12 +397,14 @@ def test_interrupt_during_training_shows_figure_and_summary(ready, magics, capsy
                 os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # never leave a 100,000-epoch run going
 
     thread = threading.Thread(target=interrupt_when_training)
     thread.start()
     with pytest.raises(JobInterrupted, match="stopped ranks 0, 1"):
         ready.run_cell_magic("distrain", "", train_cell(epochs=100000))
     thread.join()
+    assert interrupted, "the live view showed no training within 30 s"
     assert time.monotonic() - interrupted[0] < 5  # every rank stopped within 5 s
     out = capsys.readouterr().out
     assert "nbdist: final loss" in out and "<nbdist figure: loss and throughput>" in out
