@@ -148,9 +148,10 @@ class Job:
             outcome.replaced = True
         else:
             self._confirm_released(outcome)
+        deadline = time.monotonic() + RELEASED_WAIT_S
         for ar in joining:  # quick: setting up a group the ranks that run the cell joined
             try:
-                ar.get(RELEASED_WAIT_S)
+                ar.get(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
                 log.debug("a left-out rank could not join the group", exc_info=True)
         collect(outcome, self.specs, self.cluster)
@@ -280,16 +281,14 @@ class Job:
         been idle. Ranks that are not waiting (finished, or left out by ``--on``) drop their
         part of the group first (the stop branch of the watch loop does it), which fails the
         pending collectives; SIGINT follows only after the backend's release time."""
-        running = {self.ranks[p] for p in pending}
-        released = [r for r in range(self.world) if r not in running]
         self.watch.stalled = {
             "ranks": [self.ranks[p] for p in idle_for],
             "steps": {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)},
             "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
-            "released": released,
             **({"all_idle": True} if all_idle else {}),
         }
-        self.watch.start("stalled", now if released else now - peer_grace)
+        # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
+        self.watch.start("stalled", now if len(pending) < self.world else now - peer_grace)
 
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
