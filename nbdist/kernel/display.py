@@ -1,47 +1,31 @@
 """The live panel of a ``%%distrain`` run, and the static figure and summary it leaves behind.
 
-Sink only: the runner feeds it metric points and rank states; it draws. Redraws are throttled by
-wall clock (``REDRAW_S``) however fast points arrive, every series is cut to ``MAX_POINTS`` before
-plotting, and the panel is updated in place (one widget, no ``clear_output``). ipywidgets and
-matplotlib are imported only when a panel is made.
+Sink only: the job feeds it metric points and rank states; it draws. The cell's panel is one
+output with a display id, updated in place (no ``clear_output``): a line of text until the run
+has lasted ``REDRAW_S`` (a short cell never builds widgets or draws a live figure), then the
+live widgets (a table row per rank, the figure, a Stop button), redrawn at most every
+``REDRAW_S``; when the run ends, the static figure replaces the widgets in the same place, so
+a live notebook shows one figure per cell and a saved or headless one holds the PNG.
+ipywidgets and matplotlib are imported only when needed.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from nbdist.kernel.curves import Aggregate, Segment
+from nbdist.kernel.figure import FIGURE_TEXT, Figure, use_log_scale
 
 REDRAW_S = 0.5
 # The kernel shares the cores with the workers: the figure (the costly part, ~0.1 s a draw on a
 # small machine) is redrawn only as often as keeps it under this fraction of one core.
 FIGURE_CPU_BUDGET = 0.05
-MAX_POINTS = 2000
-RATE_WINDOW_S = 2.0
 PANEL_TEXT = "nbdist live panel (loss and throughput per rank; shown live in Jupyter)"
-
-
-def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
-    """Indices of at most ``max_points`` evenly spread items, always keeping the last one."""
-    n = len(xs)
-    if n <= max_points:
-        return list(range(n))
-    stride = math.ceil(n / max_points)
-    keep = list(range(0, n, stride))
-    if keep[-1] != n - 1:
-        keep[-1] = n - 1
-    return keep
-
-
-def ema(values: Sequence[float], alpha: float) -> list[float]:
-    """Exponential moving average; ``alpha`` in (0, 1], 1 means no smoothing."""
-    out: list[float] = []
-    for v in values:
-        out.append(v if not out else alpha * v + (1 - alpha) * out[-1])
-    return out
 
 
 @dataclass
@@ -60,147 +44,6 @@ class Throttle:
         return False
 
 
-@dataclass
-class Aggregate:
-    """Running per-step and per-rank summaries of the metric points of one run."""
-
-    world: int
-    start: float = field(default_factory=time.time)
-    loss: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> loss
-    samples: list[list[tuple[float, float]]] = field(init=False)  # per rank: (time, samples)
-    last: list[dict[str, Any]] = field(init=False)
-    total_steps: int | None = None
-    seen: int = 0
-
-    def __post_init__(self) -> None:
-        self.samples = [[] for _ in range(self.world)]
-        self.last = [{} for _ in range(self.world)]
-
-    def add(self, history: Sequence[dict[str, Any]]) -> None:
-        """Take in the points of ``history`` not seen yet."""
-        for point in history[self.seen :]:
-            rank = point["rank"]
-            if "loss" in point:
-                self.loss.setdefault(point["step"], {})[rank] = float(point["loss"])
-            if "samples" in point:
-                self.samples[rank].append((point["time"], float(point["samples"])))
-            self.last[rank] = {**self.last[rank], **point}
-        self.seen = len(history)
-
-    def loss_curve(self) -> tuple[list[int], list[float], list[float], list[float]]:
-        """Steps, and the mean, min and max of the ranks' losses at each."""
-        steps = sorted(self.loss)
-        values = [list(self.loss[s].values()) for s in steps]
-        return (
-            steps,
-            [sum(v) / len(v) for v in values],
-            [min(v) for v in values],
-            [max(v) for v in values],
-        )
-
-    def rate(self, rank: int, now: float | None = None) -> float | None:
-        """Samples per second of ``rank`` over the last ``RATE_WINDOW_S`` seconds it logged."""
-        pts = self.samples[rank]
-        if len(pts) < 2:
-            return None
-        end = pts[-1][0] if now is None else now
-        window = [p for p in pts[-2000:] if p[0] >= end - RATE_WINDOW_S]
-        if len(window) < 2:
-            window = pts[-2:]
-        span = window[-1][0] - window[0][0]
-        return sum(n for _, n in window[1:]) / span if span > 0 else None
-
-    def throughput_curve(self) -> tuple[list[float], list[float], list[list[float]]]:
-        """Bin centres (seconds since start), total samples/s, and samples/s per rank."""
-        times = [t for pts in self.samples for t, _ in pts]
-        if len(times) < 2:
-            return [], [], [[] for _ in range(self.world)]
-        t0, t1 = min(times), max(times)
-        width = max((t1 - t0) / 100, 0.25)
-        # Whole bins only: a last, partly filled bin would show a drop that is not there.
-        bins = max(1, math.floor((t1 - t0) / width))
-        per_rank = [[0.0] * bins for _ in range(self.world)]
-        for rank, pts in enumerate(self.samples):
-            for t, n in pts[1:]:
-                index = int((t - t0) / width)
-                if index == bins and t - t0 <= bins * width + 1e-9:
-                    index = bins - 1  # the last bin's closed end
-                if index < bins:
-                    per_rank[rank][index] += n / width
-        centres = [t0 - self.start + (i + 0.5) * width for i in range(bins)]
-        total = [sum(col) for col in zip(*per_rank, strict=True)]
-        return centres, total, per_rank
-
-    def summary(self, wall: float, framework: str, detail: str = "") -> str:
-        """One line: final loss, total and mean throughput, wall time, workers."""
-        parts = []
-        steps, mean, _, _ = self.loss_curve()
-        if steps:
-            parts.append(f"final loss {mean[-1]:.4g} (step {steps[-1]}, mean over ranks)")
-        samples = sum(n for pts in self.samples for _, n in pts)
-        if samples and wall > 0:
-            total = samples / wall
-            parts.append(
-                f"{total:,.0f} samples/s total, {total / self.world:,.0f} per rank "
-                f"({samples:,.0f} samples)"
-            )
-        parts.append(f"wall {wall:.1f} s")
-        parts.append(f"{self.world} worker{'s' if self.world > 1 else ''} ({framework}{detail})")
-        return "nbdist: " + " · ".join(parts)
-
-
-class Figure:
-    """The figure, kept between redraws: loss vs step (mean over ranks, min–max band) and
-    samples/s (total and per rank). Only line data changes per redraw, which keeps one redraw
-    to a few tens of milliseconds: the kernel shares the machine's cores with the workers."""
-
-    def __init__(self, world: int, *, dpi: int = 72) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure as MplFigure
-
-        self.fig = MplFigure(figsize=(9, 3), dpi=dpi)
-        FigureCanvasAgg(self.fig)
-        self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
-        self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
-        self.ax_loss.set(title="loss", xlabel="step")
-        self.ax_rate.set(title="throughput (samples/s)", xlabel="seconds")
-        (self.mean_line,) = self.ax_loss.plot([], [], label="mean over ranks")
-        self.band = None
-        (self.total_line,) = self.ax_rate.plot([], [], color="black", label="total")
-        self.rank_lines = [
-            self.ax_rate.plot([], [], alpha=0.6, label=f"rank {r}")[0] for r in range(world)
-        ]
-        self.ax_rate.legend(loc="lower right", fontsize="small")
-
-    def png(self, agg: Aggregate, smoothing: float = 1.0) -> bytes:
-        steps, mean, lo, hi = agg.loss_curve()
-        if steps:
-            keep = downsample(steps)
-            xs = [steps[i] for i in keep]
-            smooth = ema(mean, smoothing)
-            self.mean_line.set_data(xs, [smooth[i] for i in keep])
-            if self.band is not None:
-                self.band.remove()
-            else:
-                self.ax_loss.legend(handles=[self.mean_line], loc="upper right", fontsize="small")
-            self.band = self.ax_loss.fill_between(
-                xs, [lo[i] for i in keep], [hi[i] for i in keep], alpha=0.25, color="C0"
-            )
-        centres, total, per_rank = agg.throughput_curve()
-        if centres:
-            keep = downsample(centres)
-            xs = [centres[i] for i in keep]
-            self.total_line.set_data(xs, [total[i] for i in keep])
-            for line, series in zip(self.rank_lines, per_rank, strict=True):
-                line.set_data(xs, [series[i] for i in keep])
-        for ax in (self.ax_loss, self.ax_rate):
-            ax.relim()
-            ax.autoscale_view()
-        buf = io.BytesIO()
-        self.fig.canvas.print_png(buf)
-        return buf.getvalue()
-
-
 def _eta(last: dict[str, Any], total: int | None, elapsed: float) -> str:
     step = last.get("step")
     if total is None or step is None or step <= 0:
@@ -210,23 +53,31 @@ def _eta(last: dict[str, Any], total: int | None, elapsed: float) -> str:
 
 
 def table_html(agg: Aggregate, states: Sequence[str], now: float) -> str:
-    """One row per rank: state, step, last loss, samples/s, elapsed, ETA."""
+    """One row per rank: state, step, last loss, samples/s, working time per step, elapsed, ETA.
+
+    A rank the others wait for is marked in its working time."""
     rows = []
     elapsed = now - agg.start
+    slow = dict(agg.stragglers())
     for rank in range(agg.world):
         last = agg.last[rank]
         rate = agg.rate(rank)
         loss = last.get("loss")
+        work = agg.work_per_step(rank)
+        work_text = "" if work is None else f"{work * 1e3:,.0f} ms"
+        if rank in slow:
+            work_text = f"<b>{work_text} ({slow[rank]:.1f}× the others)</b>"
         rows.append(
             "<tr>"
             f"<td>{rank}</td><td>{states[rank]}</td><td>{last.get('step', '')}</td>"
             f"<td>{'' if loss is None else f'{loss:.4g}'}</td>"
-            f"<td>{'' if rate is None else f'{rate:,.0f}'}</td>"
+            f"<td>{'' if rate is None else f'{rate:,.0f}'}</td><td>{work_text}</td>"
             f"<td>{elapsed:.1f} s</td><td>{_eta(last, agg.total_steps, elapsed)}</td>"
             "</tr>"
         )
     head = "".join(
-        f"<th>{h}</th>" for h in ("rank", "state", "step", "loss", "samples/s", "elapsed", "ETA")
+        f"<th>{h}</th>"
+        for h in ("rank", "state", "step", "loss", "samples/s", "work/step", "elapsed", "ETA")
     )
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -263,26 +114,29 @@ def stop_button_html(interrupt_path: str | None, *, stopped: bool = False) -> st
 
 
 class Dashboard:
-    """The live panel: a table row per rank, the figure, and a Stop button.
-
-    Shown once through ``display`` with a fixed text/plain (a saved or headless-run notebook shows
-    one stable line for it), then updated in place.
-    """
+    """The live widgets: a table row per rank, the figure, and a Stop button, shown in the
+    panel's output (``display_id``), then updated in place."""
 
     def __init__(
-        self, agg: Aggregate, *, interrupt_path: str | None, display: Callable[..., Any]
+        self,
+        agg: Aggregate,
+        figure: Figure,
+        *,
+        interrupt_path: str | None,
+        show: Callable[[dict[str, Any]], None],
     ) -> None:
         import ipywidgets as widgets
 
         self.agg = agg
-        self.figure = Figure(agg.world)
+        self.figure = figure
         self._next_figure = 0.0
+        self.drawn = -1  # how many points the image shows
         self.interrupt_path = interrupt_path
         self.table = widgets.HTML()
         self.image = widgets.Image(format="png")
         self.stop = widgets.HTML(stop_button_html(interrupt_path))
         self.box = widgets.VBox([self.table, self.image, self.stop])
-        display(
+        show(
             {
                 "application/vnd.jupyter.widget-view+json": {
                     "model_id": self.box.model_id,
@@ -290,24 +144,28 @@ class Dashboard:
                     "version_minor": 0,
                 },
                 "text/plain": PANEL_TEXT,
-            },
-            raw=True,
+            }
         )
 
-    def draw(self, states: Sequence[str], smoothing: float, *, force: bool = False) -> None:
+    def draw(
+        self, states: Sequence[str], smoothing: float, logy: bool | None, *, force: bool = False
+    ) -> None:
         self.table.value = table_html(self.agg, states, time.time())
         now = time.monotonic()
         if force or now >= self._next_figure:
-            self.image.value = self.figure.png(self.agg, smoothing)
+            self.image.value = self.figure.png(self.agg, smoothing, logy)
+            self.drawn = self.agg.seen
             took = time.monotonic() - now
             self._next_figure = now + max(REDRAW_S, took / FIGURE_CPU_BUDGET)
 
     def close(self) -> None:
-        self.stop.value = stop_button_html(self.interrupt_path, stopped=True)
+        """The widgets are done: the static figure takes their place."""
+        for w in (self.table, self.image, self.stop, self.box):
+            w.close()
 
 
 class LiveView:
-    """What a run shows: nothing until a metric arrives, then the live panel (unless
+    """What a run shows: the live panel once points have come for ``REDRAW_S`` (unless
     ``plot=False``), and at the end the static figure and a one-line summary.
 
     Parameters
@@ -319,12 +177,18 @@ class LiveView:
     smoothing : float
         EMA factor for the loss curve (1 = none).
     display : callable
-        IPython's ``display``.
+        IPython's ``display`` (called with ``raw=True``, ``display_id=`` and ``update=``).
     interrupt_path : str or None
         The Jupyter server's interrupt URL for this kernel (``api/kernels/<id>/interrupt``),
         which the Stop button calls; None outside Jupyter.
     expect_metrics : bool
-        Show the panel at once (the cell will log), instead of at the first metric.
+        Hold the panel's place at once (the cell will log), before the cell's first output,
+        so the panel's place in the outputs does not depend on what arrives first.
+    logy : bool or None
+        The loss axis logarithmic or linear; None decides from the loss (more than two
+        decades: logarithmic).
+    earlier : sequence of Segment
+        This session's earlier loss curves, which this cell's continues.
     """
 
     def __init__(
@@ -336,17 +200,35 @@ class LiveView:
         display: Callable[..., Any],
         interrupt_path: str | None = None,
         expect_metrics: bool = False,
+        logy: bool | None = None,
+        earlier: Sequence[Segment] = (),
     ) -> None:
-        self.agg = Aggregate(world)
-        self.plot, self.smoothing = plot, smoothing
+        base = earlier[-1].steps[-1] + 1 if earlier else 0
+        self.agg = Aggregate(world, step_base=base)
+        self.plot, self.smoothing, self.logy = plot, smoothing, logy
+        self.earlier = list(earlier)
         self._display, self._interrupt_path = display, interrupt_path
         self.throttle = Throttle()
+        self.throttle.ready()  # the first live draw comes REDRAW_S into the run
+        self.figure: Figure | None = None
         self.dashboard: Dashboard | None = None
+        self.display_id: str | None = None
         self.redraws = 0
         if plot and expect_metrics:
-            # Shown before the cell's first output, so the panel's place in the outputs does not
-            # depend on whether a print or a metric arrived first.
-            self.dashboard = Dashboard(self.agg, interrupt_path=interrupt_path, display=display)
+            self._show({"text/plain": PANEL_TEXT})
+
+    def _show(self, bundle: dict[str, Any]) -> None:
+        """Put ``bundle`` in the panel's place: the first time, a new output; then in place."""
+        if self.display_id is None:
+            self.display_id = uuid.uuid4().hex
+            self._display(bundle, raw=True, display_id=self.display_id)
+        else:
+            self._display(bundle, raw=True, display_id=self.display_id, update=True)
+
+    def _figure(self) -> Figure:
+        if self.figure is None:
+            self.figure = Figure(self.agg.world, earlier=self.earlier)
+        return self.figure
 
     def update(
         self,
@@ -364,9 +246,9 @@ class LiveView:
             return False
         if self.dashboard is None:
             self.dashboard = Dashboard(
-                self.agg, interrupt_path=self._interrupt_path, display=self._display
+                self.agg, self._figure(), interrupt_path=self._interrupt_path, show=self._show
             )
-        self.dashboard.draw(states, self.smoothing, force=force)
+        self.dashboard.draw(states, self.smoothing, self.logy, force=force)
         self.redraws += 1
         return True
 
@@ -379,19 +261,21 @@ class LiveView:
         framework: str,
         detail: str = "",
     ) -> str | None:
-        """Final redraw, the static figure and the summary line (returned); None without metrics."""
-        if not history:
-            return None
+        """The static figure in the panel's place and the summary line (returned); None
+        without metrics (and the panel's place, if one was held, left empty)."""
         self.agg.add(history)
+        dashboard, self.dashboard = self.dashboard, None
+        if dashboard is not None:
+            dashboard.close()
+        if not history:
+            if self.display_id is not None:
+                self._show({"text/plain": ""})
+            return None
         if self.plot:
-            figure = self.dashboard.figure if self.dashboard else Figure(self.agg.world)
-            png = figure.png(self.agg, self.smoothing)  # drawn once: live panel and static copy
-            if self.dashboard is not None:
-                self.dashboard.table.value = table_html(self.agg, states, time.time())
-                self.dashboard.image.value = png
-                self.dashboard.close()
-            self._display(
-                {"image/png": png, "text/plain": "<nbdist figure: loss and throughput>"},
-                raw=True,
-            )
-        return self.agg.summary(wall, framework, detail)
+            if dashboard is not None and dashboard.drawn == self.agg.seen:
+                png = dashboard.image.value  # the live figure is up to date: no second render
+            else:
+                png = self._figure().png(self.agg, self.smoothing, self.logy)
+            self._show({"image/png": png, "text/plain": FIGURE_TEXT})
+        logy = self.plot and use_log_scale(self.agg, self.logy)
+        return self.agg.summary(wall, framework, detail, logy=logy)

@@ -37,6 +37,7 @@ class RunOptions:
     autolog: bool = True
     plot: bool = True
     smoothing: float = 1.0
+    logy: bool | None = None  # the loss axis: None decides from the loss
     scan: tuple[int, ...] | None = None
     fresh: bool = False
     on: tuple[int, ...] | None = None
@@ -202,6 +203,14 @@ def run_parser() -> argparse.ArgumentParser:
         help="EMA smoothing of the loss curve, 0 < A <= 1 (1: none; 0.1: strong)",
     )
     p.add_argument(
+        "--logy",
+        dest="logy",
+        action="store_true",
+        default=None,
+        help="loss axis logarithmic (default: when the loss spans more than two decades)",
+    )
+    p.add_argument("--no-logy", dest="logy", action="store_false", help="loss axis linear, always")
+    p.add_argument(
         "--no-autolog",
         dest="autolog",
         action="store_false",
@@ -286,6 +295,7 @@ def parse_run_options(line: str) -> RunOptions:
         autolog=ns.autolog,
         plot=ns.plot,
         smoothing=ns.smooth,
+        logy=ns.logy,
         scan=ns.scan,
         fresh=ns.fresh or ns.scan is not None,
         on=tuple(sorted(set(ns.on))) if ns.on is not None else None,

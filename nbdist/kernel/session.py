@@ -24,6 +24,7 @@ from nbdist.errors import JobInterrupted
 from nbdist.kernel import failures, prepare
 from nbdist.kernel.checks import CheckContext, calls, check_source
 from nbdist.kernel.cluster import LocalCluster, default_workers
+from nbdist.kernel.curves import Segment
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.exposure import check_tf_exposure
@@ -59,6 +60,7 @@ class Session:
         self.framework: str | None = None  # what the workers have set up
         self.variables: list[str] = []  # what the workers hold, as of the last cell
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
+        self.curve: list[Segment] = []  # the loss curves of its training cells, continued
         self._run_id = 0
         self._engines: tuple[tuple[int, int], ...] = ()  # (engine id, pid) the variables live on
 
@@ -73,7 +75,7 @@ class Session:
     # -- the workers' state ----------------------------------------------------------------------
     def forget(self) -> None:
         """The workers hold nothing any more (reset, restart, a rebuilt group)."""
-        self.variables, self.cells = [], []
+        self.variables, self.cells, self.curve = [], [], []
         self._engines = self._engine_ids()
 
     def _engine_ids(self) -> tuple[tuple[int, int], ...]:
@@ -212,6 +214,8 @@ class Session:
             display=self._display,
             interrupt_path=self.interrupt_path,
             expect_metrics=may_log(tree, opts.autolog),
+            logy=opts.logy,
+            earlier=self.curve,
         )
         self.view = live_view
         job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
@@ -268,6 +272,9 @@ class Session:
         )  # fmt: skip
         if summary is not None:
             print(summary, file=self.out, flush=True)
+        segment = live_view.agg.segment()
+        if segment is not None:
+            self.curve.append(segment)
         show_displays(outcome.ars, outcome.ranks, self._publish)
         error = failures.error_for(outcome, opts)
         if state in ("dropped", "replaced"):

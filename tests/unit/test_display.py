@@ -3,7 +3,9 @@
 import pytest
 
 from nbdist.kernel import display as d
-from nbdist.kernel.display import PANEL_TEXT, Aggregate, LiveView, Throttle, downsample, ema
+from nbdist.kernel.curves import Aggregate, Segment
+from nbdist.kernel.display import PANEL_TEXT, LiveView, Throttle
+from nbdist.kernel.figure import FIGURE_TEXT, downsample, ema
 
 
 def test_downsample_is_bounded_and_keeps_the_ends():
@@ -46,9 +48,9 @@ def test_aggregate_loss_band_and_rates():
     assert mean == [10.5, 9.5, 8.5, 7.5]
     assert (lo, hi) == ([10.0, 9.0, 8.0, 7.0], [11.0, 10.0, 9.0, 8.0])
     assert agg.rate(0) == pytest.approx(3 * 32 / 1.5)  # samples after the first / span
-    centres, total, per_rank = agg.throughput_curve()
-    assert len(centres) == len(total) == len(per_rank[0])
-    assert sum(total) * 0.25 == pytest.approx(2 * 3 * 32)  # bins of 0.25 s hold every sample
+    times, total, per_rank = agg.throughput_curve()
+    assert total == pytest.approx([2 * 64.0] * len(times))
+    assert per_rank[0] == ([0.5, 1.0, 1.5], [64.0, 64.0, 64.0])
     assert agg.last[1]["step"] == 3
 
 
@@ -62,11 +64,22 @@ def test_summary_line():
 
 
 class SpyDisplay:
-    def __init__(self):
-        self.shown = []
+    """Records what is shown, as a frontend would hold it: one output per display id."""
 
-    def __call__(self, obj, raw=False):
-        self.shown.append(obj)
+    def __init__(self):
+        self.calls = []
+        self.outputs = {}  # display id -> the bundle it shows now
+
+    def __call__(self, obj, raw=False, display_id=None, update=False):
+        assert raw
+        self.calls.append((obj, display_id, update))
+        if update:
+            assert display_id in self.outputs, "an update of an output never shown"
+        self.outputs[display_id] = obj
+
+    @property
+    def shown(self):
+        return list(self.outputs.values())
 
 
 def test_no_metrics_no_panel_no_summary():
@@ -74,30 +87,94 @@ def test_no_metrics_no_panel_no_summary():
     live = LiveView(2, plot=True, smoothing=1.0, display=spy)
     live.update([], ["running", "running"])
     assert live.finish([], ["done", "done"], wall=1.0, framework="torch") is None
-    assert spy.shown == []
+    assert spy.calls == []
 
 
-def test_panel_once_then_in_place_then_static_figure(monkeypatch):
+def test_a_held_place_left_empty_when_no_metric_came():
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, expect_metrics=True)
+    assert spy.shown == [{"text/plain": PANEL_TEXT}]
+    assert live.finish([], ["done", "done"], wall=1.0, framework="torch") is None
+    assert spy.shown == [{"text/plain": ""}]
+
+
+def test_panel_in_place_then_the_static_figure_in_the_same_place():
     spy = SpyDisplay()
     path = "api/kernels/0f1e/interrupt"
-    live = LiveView(2, plot=True, smoothing=1.0, display=spy, interrupt_path=path)
-    live.throttle = Throttle(interval=0.5, clock=lambda: 42.0)  # all updates within one instant
+    live = LiveView(
+        2, plot=True, smoothing=1.0, display=spy, interrupt_path=path, expect_metrics=True
+    )
+    assert spy.shown == [{"text/plain": PANEL_TEXT}]  # the place, held: no widget yet
+    now = [42.0]
+    live.throttle = Throttle(interval=0.5, clock=lambda: now[0])
     history = []
     for p in _points(steps=50):
         history.append(p)
         live.update(history, ["running", "running"], total_steps=100)
-    assert live.redraws == 1  # one redraw: the throttle holds the rest back
-    assert [o["text/plain"] for o in spy.shown] == [PANEL_TEXT]
+    assert live.redraws == 1  # all updates within one instant: the throttle holds the rest back
+    (panel,) = spy.shown
+    assert "application/vnd.jupyter.widget-view+json" in panel
     assert "<td>running</td>" in live.dashboard.table.value
     stop = live.dashboard.stop.value
     assert stop.startswith('<button class="nbdist-stop"') and ">Stop</button>" in stop
     assert "+'api/kernels/0f1e/interrupt',{method:'POST'" in stop
+    widgets = live.dashboard.box
     summary = live.finish(history, ["done", "done"], wall=3.0, framework="torch")
     assert summary.startswith("nbdist: final loss")
-    assert spy.shown[-1]["image/png"].startswith(b"\x89PNG")
-    assert live.dashboard.image.value == spy.shown[-1]["image/png"]
-    assert live.dashboard.stop.value.startswith("<button disabled")
-    assert ">Stopped</button>" in live.dashboard.stop.value
+    (final,) = spy.shown  # one output, all along: the figure took the widgets' place
+    assert final["image/png"].startswith(b"\x89PNG") and final["text/plain"] == FIGURE_TEXT
+    assert len({display_id for _, display_id, _ in spy.calls}) == 1
+    assert widgets.comm is None  # closed: nothing left to show a second figure
+    assert live.dashboard is None
+
+
+def test_a_short_run_builds_no_widgets_and_renders_once(monkeypatch):
+    renders = []
+    real_png = d.Figure.png
+    monkeypatch.setattr(d.Figure, "png", lambda self, *a: renders.append(1) or real_png(self, *a))
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, expect_metrics=True)
+    history = _points(steps=20, dt=0.01)
+    live.update(history, ["running", "running"])  # within REDRAW_S of the start
+    assert live.dashboard is None and live.redraws == 0
+    assert live.finish(history, ["done", "done"], wall=0.2, framework="torch")
+    assert renders == [1]
+    (final,) = spy.shown
+    assert final["image/png"].startswith(b"\x89PNG")
+
+
+def test_the_live_figure_is_reused_when_nothing_came_after_it(monkeypatch):
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy)
+    live.throttle = Throttle(interval=0.5, clock=lambda: 1.0)
+    history = _points(steps=10)
+    live.update(history, ["running", "running"], force=True)
+    image = live.dashboard.image.value
+    monkeypatch.setattr(d.Figure, "png", lambda *a: pytest.fail("rendered twice"))
+    live.finish(history, ["done", "done"], wall=3.0, framework="torch")
+    assert spy.shown[-1]["image/png"] == image
+
+
+def test_earlier_cells_continue_the_curve():
+    spy = SpyDisplay()
+    earlier = [Segment([0, 1, 2], [3.0, 2.0, 1.5]), Segment([3, 4], [1.2, 1.0])]
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier)
+    history = _points(steps=4)  # this cell counts its steps from 0 again
+    live.finish(history, ["done", "done"], wall=2.0, framework="torch")
+    assert live.agg.loss_curve()[0] == [5, 6, 7, 8]
+    assert live.agg.segment().steps == [5, 6, 7, 8]
+    faint, current = live.figure.ax_loss.get_lines()
+    assert faint.get_label() == "earlier cells"
+    assert faint.get_alpha() == 0.35 and current.get_alpha() is None  # fainter: drawn opaque
+    xs = [x for x in faint.get_xdata() if x == x]  # without the breaks between cells
+    assert xs == [0, 1, 2, 3, 4]
+    assert list(current.get_xdata()) == [5, 6, 7, 8]
+
+
+def test_steps_that_already_continue_the_session_stay_as_they_are():
+    agg = Aggregate(1, step_base=100)
+    agg.add([{"rank": 0, "step": 120 + s, "time": float(s), "loss": 1.0} for s in range(3)])
+    assert agg.loss_curve()[0] == [120, 121, 122]
 
 
 def test_no_plot_gives_the_summary_only():

@@ -21,6 +21,8 @@ import gc
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -194,38 +196,89 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
 
 @contextmanager
 def _autolog(recorder: Any) -> Iterator[None]:
-    """Capture, with no code in the cell, each scalar loss ``backward()`` is called on and the
-    batch size of each forward pass of a DDP model."""
+    """Capture, with no code in the cell, each scalar loss ``backward()`` is called on, the
+    batch size of each forward pass of a distributed model (DDP, or FSDP2's ``fully_shard``),
+    and how each step splits into this rank's own work and its wait for the others.
+
+    ``wait`` is the time from the end of the backward's local computation (a callback queued
+    from the loss's own node, so it runs before DDP's and FSDP's final callbacks, which wait for
+    the gradient reduction) to the return of ``backward()``; ``work`` is the rest of the step,
+    from the previous ``backward()``'s return. A rank that keeps the others waiting works longer
+    and waits less: step times alone are equal on every rank of a synchronous job. Both go with
+    the next point, like the batch size does.
+    """
     import torch
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     if recorder is None or not recorder.autolog:
         yield
         return
     real_backward = torch.Tensor.backward
+    run_callback = torch.autograd.Variable._execution_engine.queue_callback
+    last_return: list[float] = []  # the previous backward()'s return, once there was one
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.numel() == 1:
-            recorder.auto(loss=self.detach())
-        return real_backward(self, *args, **kwargs)
+        if self.numel() != 1:
+            return real_backward(self, *args, **kwargs)
+        recorder.auto(loss=self.detach())
+        computed: list[float] = []
+        node = self.grad_fn
+        handle = (
+            node.register_prehook(lambda _g: run_callback(lambda: computed.append(time.time())))
+            if node is not None
+            else None
+        )
+        try:
+            out = real_backward(self, *args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        done = time.time()
+        if computed and last_return:
+            recorder.pend(work=computed[0] - last_return[0], wait=done - computed[0])
+        last_return[:] = [done]
+        return out
+
+    depth = threading.local()
+
+    def counting(real: Any) -> Any:
+        """``real`` (a forward) that pends the batch size of the outermost call only: FSDP2
+        modules nest (each layer sharded, then the whole model)."""
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            level = getattr(depth, "n", 0)
+            if level == 0:
+                shape = getattr(args[0], "shape", None) if args else None
+                if shape:
+                    recorder.pend(samples=int(shape[0]))
+            depth.n = level + 1
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                depth.n = level
+
+        return forward
 
     real_forward = DistributedDataParallel.forward
 
-    # Wrapping DDP's forward, not a global module hook: a global hook would put every module
-    # call of the model on torch's slower hook path.
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shape = getattr(args[0], "shape", None) if args else None
-        if shape:
-            recorder.pend(samples=int(shape[0]))
-        return real_forward(self, *args, **kwargs)
+    def fsdp_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # fully_shard makes a class FSDP<Model>(FSDPModule, Model): the next forward in its
+        # method resolution order after FSDPModule is the model's own.
+        return super(FSDPModule, self).forward(*args, **kwargs)
 
-    DistributedDataParallel.forward = forward
+    # Wrapping the distributed wrappers' forward, not a global module hook: a global hook would
+    # put every module call of the model on torch's slower hook path. FSDPModule has no forward
+    # of its own; one is set for the run and removed after it.
+    DistributedDataParallel.forward = counting(real_forward)
+    FSDPModule.forward = counting(fsdp_forward)
     torch.Tensor.backward = backward
     try:
         yield
     finally:
         torch.Tensor.backward = real_backward
         DistributedDataParallel.forward = real_forward
+        del FSDPModule.forward
 
 
 @contextmanager

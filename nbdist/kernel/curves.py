@@ -1,0 +1,227 @@
+"""What a run's metric points say, as numbers: the loss per step, each rank's samples/s, and
+which rank keeps the others waiting. Pure data, no drawing (``figure.py`` draws it).
+
+Throughput comes from the workers' own step timestamps, never from when points reach the
+notebook: points travel in batches (a flush every 0.1 s, or a Keras epoch's worth at once), so
+a rate computed from arrivals dips to zero between batches and drops at the end of a run. Here
+each rank's rate at a point is the samples of the steps that ended within the last
+``RATE_WINDOW_S`` seconds over the time they took, which a steady worker keeps flat however its
+points arrive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RATE_WINDOW_S = 2.0
+GRID_POINTS = 200  # the total's curve: the ranks' rates summed at this many instants
+STRAGGLER_RATIO = 1.25  # a rank working this much longer per step than the others is marked
+WORK_WINDOW = 200  # steps: the working time per step is a median over the most recent ones
+LOG_DECADES = 2.0  # the loss axis turns logarithmic when the loss spans more than this
+TOO_SHORT = "too short to measure throughput"
+
+
+class RankRate:
+    """One rank's samples/s over a sliding window of its own timestamps.
+
+    ``add`` takes each point's time and the samples of the step that ended then; the rate at a
+    point ``i`` is ``(S[i] - S[k]) / (t[i] - t[k])`` with ``S`` the running total of samples and
+    ``k`` the earliest point at most ``RATE_WINDOW_S`` earlier: the samples of steps ``k+1 ..
+    i``, which all ran between ``t[k]`` and ``t[i]``. Amortised O(1) per point.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.totals: list[float] = []
+        self.rate_times: list[float] = []
+        self.rates: list[float] = []
+        self._k = 0
+
+    def add(self, t: float, samples: float) -> None:
+        if self.times and t < self.times[-1]:
+            t = self.times[-1]  # a clock stepped back: keep the series ordered
+        total = (self.totals[-1] if self.totals else 0.0) + samples
+        self.times.append(t)
+        self.totals.append(total)
+        i = len(self.times) - 1
+        while self._k < i - 1 and self.times[self._k] < t - RATE_WINDOW_S:
+            self._k += 1
+        span = t - self.times[self._k]
+        if i > 0 and span > 0:
+            self.rate_times.append(t)
+            self.rates.append((total - self.totals[self._k]) / span)
+
+    def mean(self) -> float | None:
+        """Samples/s from this rank's first point to its last; None before two points."""
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return None
+        return (self.totals[-1] - self.totals[0]) / (self.times[-1] - self.times[0])
+
+    @property
+    def samples(self) -> float:
+        return self.totals[-1] if self.totals else 0.0
+
+
+@dataclass
+class Segment:
+    """An earlier cell's loss curve in this session, in the session's step numbers."""
+
+    steps: list[int]
+    loss: list[float]
+
+
+@dataclass
+class Aggregate:
+    """Running per-step and per-rank summaries of the metric points of one run.
+
+    ``step_base`` is the session's next step: when this cell's steps start below it (a new
+    loop counting from 0), they are shifted to continue the session's curve; steps that already
+    continue it (a global step kept on the workers) stay as they are.
+    """
+
+    world: int
+    start: float = field(default_factory=time.time)
+    step_base: int = 0
+    loss: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> loss
+    rates: list[RankRate] = field(init=False)
+    work: list[list[float]] = field(init=False)  # per rank: seconds of own work per step
+    last: list[dict[str, Any]] = field(init=False)
+    offset: int | None = None  # this cell's steps + offset = the session's steps
+    total_steps: int | None = None
+    seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.rates = [RankRate() for _ in range(self.world)]
+        self.work = [[] for _ in range(self.world)]
+        self.last = [{} for _ in range(self.world)]
+
+    def add(self, history: Sequence[dict[str, Any]]) -> None:
+        """Take in the points of ``history`` not seen yet."""
+        for point in history[self.seen :]:
+            rank = point["rank"]
+            if "loss" in point:
+                if self.offset is None:
+                    self.offset = max(0, self.step_base - point["step"])
+                self.loss.setdefault(point["step"] + self.offset, {})[rank] = float(point["loss"])
+            if "samples" in point:
+                self.rates[rank].add(point["time"], float(point["samples"]))
+            if "work" in point:
+                self.work[rank].append(float(point["work"]))
+            self.last[rank] = {**self.last[rank], **point}
+        self.seen = len(history)
+
+    def loss_curve(self) -> tuple[list[int], list[float], list[float], list[float]]:
+        """Steps (the session's), and the mean, min and max of the ranks' losses at each."""
+        steps = sorted(self.loss)
+        values = [list(self.loss[s].values()) for s in steps]
+        return (
+            steps,
+            [sum(v) / len(v) for v in values],
+            [min(v) for v in values],
+            [max(v) for v in values],
+        )
+
+    def rate(self, rank: int) -> float | None:
+        """``rank``'s latest samples/s (over the last ``RATE_WINDOW_S`` of its own steps)."""
+        rates = self.rates[rank].rates
+        return rates[-1] if rates else None
+
+    def throughput_curve(
+        self,
+    ) -> tuple[list[float], list[float], list[tuple[list[float], list[float]]]]:
+        """The total's times (seconds since the start) and samples/s, summed over the ranks on
+        the stretch where every rank that counts samples has a rate; each rank's own (times,
+        samples/s). All empty when no rank has two points yet."""
+        per_rank = [([t - self.start for t in r.rate_times], list(r.rates)) for r in self.rates]
+        active = [r for r in self.rates if r.rates]
+        if not active:
+            return [], [], per_rank
+        lo = max(r.rate_times[0] for r in active)
+        hi = min(r.rate_times[-1] for r in active)
+        if hi > lo:
+            grid = [lo + (hi - lo) * i / (GRID_POINTS - 1) for i in range(GRID_POINTS)]
+        else:
+            grid = [max(r.rate_times[-1] for r in active)]
+        total = [sum(_interp(t, r.rate_times, r.rates) for r in active) for t in grid]
+        return [t - self.start for t in grid], total, per_rank
+
+    def loss_decades(self) -> float | None:
+        """How many decades the mean loss spans; None when it is not all positive."""
+        _, mean, _, _ = self.loss_curve()
+        if not mean or min(mean) <= 0:
+            return None
+        return math.log10(max(mean) / min(mean))
+
+    def work_per_step(self, rank: int) -> float | None:
+        """Median seconds ``rank`` works (not waiting for the others) per step, recently."""
+        work = self.work[rank][-WORK_WINDOW:]
+        return statistics.median(work) if len(work) >= 3 else None
+
+    def stragglers(self) -> list[tuple[int, float]]:
+        """``(rank, ratio)`` for each rank working more than ``STRAGGLER_RATIO`` times the
+        median of the other ranks' working time per step: the ranks the others wait for."""
+        work = {r: w for r in range(self.world) if (w := self.work_per_step(r)) is not None}
+        if len(work) < 2:
+            return []
+        out = []
+        for rank, mine in work.items():
+            others = statistics.median(w for r, w in work.items() if r != rank)
+            if others > 0 and mine > STRAGGLER_RATIO * others:
+                out.append((rank, mine / others))
+        return out
+
+    def summary(self, wall: float, framework: str, detail: str = "", *, logy: bool = False) -> str:
+        """One line: final loss, throughput, stragglers, wall time, workers."""
+        parts = []
+        steps, mean, _, _ = self.loss_curve()
+        if steps:
+            parts.append(f"final loss {mean[-1]:.4g} (step {steps[-1]}, mean over ranks)")
+        if logy and (decades := self.loss_decades()) is not None:
+            parts.append(f"loss axis logarithmic (the loss spans {decades:.1f} decades)")
+        samples = sum(r.samples for r in self.rates)
+        if samples:
+            means = [r.mean() for r in self.rates if r.samples]
+            if None not in means:  # from the workers' own timestamps
+                total = sum(m for m in means if m is not None)
+            else:  # a rank logged one point only: over the cell's wall time
+                total = samples / wall if wall > 0 else 0.0
+            parts.append(
+                f"{total:,.0f} samples/s total, {total / self.world:,.0f} per rank "
+                f"({samples:,.0f} samples)"
+            )
+        slow = self.stragglers()
+        if slow:
+            ranks = ", ".join(str(r) for r, _ in slow)
+            ratios = ", ".join(f"{x:.1f}×" for _, x in slow)
+            verb = "keeps" if len(slow) == 1 else "keep"
+            parts.append(
+                f"rank{'s' if len(slow) > 1 else ''} {ranks} {verb} the others waiting: "
+                f"{ratios} their working time per step"
+            )
+        parts.append(f"wall {wall:.1f} s")
+        parts.append(f"{self.world} worker{'s' if self.world > 1 else ''} ({framework}{detail})")
+        return "nbdist: " + " · ".join(parts)
+
+    def segment(self) -> Segment | None:
+        """This cell's loss curve, for the next cell of the session to continue."""
+        steps, mean, _, _ = self.loss_curve()
+        return Segment(steps, mean) if steps else None
+
+
+def _interp(t: float, xs: list[float], ys: list[float]) -> float:
+    """``ys`` linearly interpolated at ``t`` (held constant beyond the ends)."""
+    i = bisect.bisect_left(xs, t)
+    if i <= 0:
+        return ys[0]
+    if i >= len(xs):
+        return ys[-1]
+    x0, x1 = xs[i - 1], xs[i]
+    if x1 <= x0:
+        return ys[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - x0) / (x1 - x0)

@@ -1,0 +1,115 @@
+"""The figure of a run: loss vs step (mean over ranks, min–max band, the session's earlier cells
+fainter) and samples/s (total and per rank). matplotlib is imported when one is made."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
+
+MAX_POINTS = 2000
+FIGURE_TEXT = "<nbdist figure: loss and throughput>"
+
+
+def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
+    """Indices of at most ``max_points`` evenly spread items, always keeping the last one."""
+    n = len(xs)
+    if n <= max_points:
+        return list(range(n))
+    stride = math.ceil(n / max_points)
+    keep = list(range(0, n, stride))
+    if keep[-1] != n - 1:
+        keep[-1] = n - 1
+    return keep
+
+
+def ema(values: Sequence[float], alpha: float) -> list[float]:
+    """Exponential moving average; ``alpha`` in (0, 1], 1 means no smoothing."""
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else alpha * v + (1 - alpha) * out[-1])
+    return out
+
+
+def use_log_scale(agg: Aggregate, logy: bool | None) -> bool:
+    """``logy`` when given; otherwise whether the mean loss spans more than LOG_DECADES."""
+    if logy is not None:
+        return logy
+    decades = agg.loss_decades()
+    return decades is not None and decades > LOG_DECADES
+
+
+def _kept(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
+    keep = downsample(xs)
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
+class Figure:
+    """Kept between redraws: only line data changes per redraw, which keeps one redraw to a
+    few tens of milliseconds (the kernel shares the machine's cores with the workers)."""
+
+    def __init__(self, world: int, *, dpi: int = 72, earlier: Sequence[Segment] = ()) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure as MplFigure
+
+        self.fig = MplFigure(figsize=(9, 3), dpi=dpi)
+        FigureCanvasAgg(self.fig)
+        self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
+        self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
+        self.ax_loss.set(title="loss", xlabel="step")
+        self.ax_rate.set(title="throughput (samples/s)", xlabel="seconds")
+        handles = []
+        if earlier:
+            xs: list[float] = []
+            ys: list[float] = []
+            for seg in earlier:  # one line, broken between cells
+                sx, sy = _kept(seg.steps, seg.loss)
+                xs += [*sx, math.nan]
+                ys += [*sy, math.nan]
+            handles += self.ax_loss.plot(xs, ys, color="C0", alpha=0.35, label="earlier cells")
+        (self.mean_line,) = self.ax_loss.plot([], [], color="C0", label="mean over ranks")
+        handles.append(self.mean_line)
+        self.ax_loss.legend(handles=handles, loc="upper right", fontsize="small")
+        self.band = None
+        (self.total_line,) = self.ax_rate.plot([], [], color="black", label="total")
+        self.rank_lines = [
+            self.ax_rate.plot([], [], alpha=0.6, label=f"rank {r}")[0] for r in range(world)
+        ]
+        self.ax_rate.legend(loc="lower right", fontsize="small")
+        self.note = self.ax_rate.text(
+            0.5, 0.5, "", transform=self.ax_rate.transAxes, ha="center", va="center", color="0.4"
+        )
+
+    def draw(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> None:
+        """Set the lines from ``agg``."""
+        steps, mean, lo, hi = agg.loss_curve()
+        if steps:
+            keep = downsample(steps)
+            xs = [steps[i] for i in keep]
+            smooth = ema(mean, smoothing)
+            self.mean_line.set_data(xs, [smooth[i] for i in keep])
+            if self.band is not None:
+                self.band.remove()
+            self.band = self.ax_loss.fill_between(
+                xs, [lo[i] for i in keep], [hi[i] for i in keep], alpha=0.25, color="C0"
+            )
+        self.ax_loss.set_yscale("log" if use_log_scale(agg, logy) else "linear")
+        times, total, per_rank = agg.throughput_curve()
+        few = len(times) < 3  # a line needs points to be seen: mark each one
+        self.total_line.set_data(*_kept(times, total))
+        self.total_line.set_marker("o" if few else "None")
+        for line, (xs_r, ys_r) in zip(self.rank_lines, per_rank, strict=True):
+            line.set_data(*_kept(xs_r, ys_r))
+            line.set_marker("o" if len(xs_r) < 3 else "None")
+        self.note.set_text("" if times else TOO_SHORT)
+        for ax in (self.ax_loss, self.ax_rate):
+            ax.relim()
+            ax.autoscale_view()
+
+    def png(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> bytes:
+        self.draw(agg, smoothing, logy)
+        buf = io.BytesIO()
+        self.fig.canvas.print_png(buf)
+        return buf.getvalue()
