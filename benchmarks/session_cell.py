@@ -1,16 +1,21 @@
-"""The cost of one short cell in a session: ``%%distrain`` against ipyparallel's ``%%px``.
+"""The cost of one short cell in a session, two suites on the same warm engines (2 workers,
+torch loaded) in the same IPython shell, in alternating rounds so machine drift hits all alike.
 
-Both run on the same warm engines (2 workers, torch loaded) in the same IPython shell, in
-alternating rounds so machine drift hits both alike:
+``--suite session`` (default): ``%%distrain`` against ipyparallel's ``%%px``:
 
 - ``px``: ``%%px`` with ``print(rank)`` (``rank`` pushed once), ipyparallel's own magic;
 - ``distrain``: ``%%distrain`` with ``print(rank)``;
 - ``distrain-value``: ``%%distrain`` with ``rank * 10`` (a value per rank to show).
 
-    python benchmarks/session_cell.py [--rounds 15] [--cells 20]
+``--suite panel``: what the live panel and the final figure cost a short cell, a 200-step
+``all_reduce`` + ``log(loss=...)`` loop (~0.2 s), with the panel (``panel``), with ``--no-plot``
+(``no-plot``, the one-line summary only) and with ``--no-plot --no-autolog``.
+
+    python benchmarks/session_cell.py [--suite session|panel] [--rounds 15] [--cells 20]
 
 Each round times ``--cells`` cells of each variant; the report gives medians over rounds of the
-per-cell time, and the ratio to ``%%px``. Writes ``build/bench/session_cell.{json,md}``.
+per-cell time, and the ratio to the first variant. Writes ``build/bench/<suite>_cell.{json,md}``
+(``session_cell``, ``panel_cell``).
 """
 
 from __future__ import annotations
@@ -26,18 +31,34 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "build" / "bench"
-VARIANTS = {
-    "px": ("px", "", "print(rank)\n"),
-    "distrain": ("distrain", "", "print(rank)\n"),
-    "distrain-value": ("distrain", "", "rank * 10\n"),
+SHORT_TRAINING = (
+    "t = torch.ones(1)\n"
+    "for i in range(200):\n"
+    "    dist.all_reduce(t)\n"
+    "    log(loss=1.0 / (i + 1))\n"
+)
+SUITES = {
+    "session": {
+        "px": ("px", "", "print(rank)\n"),
+        "distrain": ("distrain", "", "print(rank)\n"),
+        "distrain-value": ("distrain", "", "rank * 10\n"),
+    },
+    "panel": {
+        "no-plot": ("distrain", "--no-plot", SHORT_TRAINING),
+        "no-plot-no-autolog": ("distrain", "--no-plot --no-autolog", SHORT_TRAINING),
+        "panel": ("distrain", "", SHORT_TRAINING),
+    },
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=SUITES, default="session")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cells", type=int, default=20)
     a = p.parse_args(argv)
+    variants = SUITES[a.suite]
+    first = next(iter(variants))
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     from IPython.testing.globalipapp import start_ipython
 
@@ -45,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     shell.run_line_magic("load_ext", "nbdist")
     magics = shell.magics_manager.registry["DistrainMagics"]
     sink = io.StringIO()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     try:
         with contextlib.redirect_stdout(sink):
             shell.run_cell_magic("distrain", "-n 2 --framework torch", "pass\n")
@@ -53,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             view.block = True  # as %%px blocks in a notebook by default
             view.activate()  # %%px on exactly nbdist's engines
             for _ in range(3):  # warm-up of both paths
-                for magic, line, cell in VARIANTS.values():
+                for magic, line, cell in variants.values():
                     shell.run_cell_magic(magic, line, cell)
             for r in range(a.rounds):
-                order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+                order = list(variants) if r % 2 == 0 else list(reversed(variants))
                 for variant in order:
-                    magic, line, cell = VARIANTS[variant]
+                    magic, line, cell = variants[variant]
                     start = time.perf_counter()
                     for _ in range(a.cells):
                         shell.run_cell_magic(magic, line, cell)
@@ -71,19 +92,24 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": a.rounds,
         "cells_per_round": a.cells,
         "median_ms": med,
-        "ratio_to_px": {v: med[v] / med["px"] for v in VARIANTS},
+        f"ratio_to_{first}": {v: med[v] / med[first] for v in variants},
+        f"ms_over_{first}": {v: med[v] - med[first] for v in variants},
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "session_cell.json").write_text(json.dumps(result, indent=2))
+    (OUT / f"{a.suite}_cell.json").write_text(json.dumps(result, indent=2))
+    what = "A trivial warm cell" if a.suite == "session" else "A 200-step all_reduce + log cell"
     lines = [
-        f"A trivial warm cell on 2 workers ({result['machine']}; medians of {a.rounds} rounds "
+        f"{what} on 2 workers ({result['machine']}; medians of {a.rounds} rounds "
         f"of {a.cells} cells each):",
         "",
-        "| variant | ms per cell | × %%px |",
-        "|---|---|---|",
+        f"| variant | ms per cell | × `{first}` | ms over `{first}` |",
+        "|---|---|---|---|",
     ]
-    lines += [f"| `{v}` | {med[v]:.1f} | {med[v] / med['px']:.2f} |" for v in VARIANTS]
-    (OUT / "session_cell.md").write_text("\n".join(lines) + "\n")
+    lines += [
+        f"| `{v}` | {med[v]:.1f} | {med[v] / med[first]:.2f} | {med[v] - med[first]:+.0f} |"
+        for v in variants
+    ]
+    (OUT / f"{a.suite}_cell.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist.kernel.curves import Aggregate, Segment
-from nbdist.kernel.figure import FIGURE_TEXT, Figure, use_log_scale
+from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, use_log_scale
 
 REDRAW_S = 0.5
 # The kernel shares the cores with the workers: the figure (the costly part, ~0.1 s a draw on a
@@ -227,7 +227,7 @@ class LiveView:
 
     def _figure(self) -> Figure:
         if self.figure is None:
-            self.figure = Figure(self.agg.world, earlier=self.earlier)
+            self.figure = figure_for(self.agg.world, self.earlier)
         return self.figure
 
     def update(

@@ -11,6 +11,7 @@ from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
 
 MAX_POINTS = 2000
 FIGURE_TEXT = "<nbdist figure: loss and throughput>"
+LOSS_TITLE = "loss (mean over ranks, min–max band)"
 
 
 def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
@@ -47,31 +48,29 @@ def _kept(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[f
 
 
 class Figure:
-    """Kept between redraws: only line data changes per redraw, which keeps one redraw to a
-    few tens of milliseconds (the kernel shares the machine's cores with the workers)."""
+    """Kept between redraws, and between cells (:func:`figure_for`): only line data changes
+    per redraw, which keeps one redraw to a few tens of milliseconds (the kernel shares the
+    machine's cores with the workers; making the figure costs as much again)."""
 
-    def __init__(self, world: int, *, dpi: int = 72, earlier: Sequence[Segment] = ()) -> None:
+    def __init__(self, world: int, *, dpi: int = 72) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure as MplFigure
+        from matplotlib.ticker import FormatStrFormatter
 
         self.fig = MplFigure(figsize=(9, 3), dpi=dpi)
         FigureCanvasAgg(self.fig)
         self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
         self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
-        self.ax_loss.set(title="loss", xlabel="step")
-        self.ax_rate.set(title="throughput (samples/s)", xlabel="seconds")
-        handles = []
-        if earlier:
-            xs: list[float] = []
-            ys: list[float] = []
-            for seg in earlier:  # one line, broken between cells
-                sx, sy = _kept(seg.steps, seg.loss)
-                xs += [*sx, math.nan]
-                ys += [*sy, math.nan]
-            handles += self.ax_loss.plot(xs, ys, color="C0", alpha=0.35, label="earlier cells")
-        (self.mean_line,) = self.ax_loss.plot([], [], color="C0", label="mean over ranks")
-        handles.append(self.mean_line)
-        self.ax_loss.legend(handles=handles, loc="upper right", fontsize="small")
+        # Titles at a fixed height: placed automatically, they cost a layout pass (~15 ms) a draw.
+        self.ax_loss.set_title(LOSS_TITLE, y=1.0)
+        self.ax_rate.set_title("throughput (samples/s)", y=1.0)
+        self.ax_loss.set_xlabel("step")
+        self.ax_rate.set_xlabel("seconds")
+        (self.earlier_line,) = self.ax_loss.plot(
+            [], [], color="C0", alpha=0.35, label="earlier cells"
+        )
+        (self.mean_line,) = self.ax_loss.plot([], [], color="C0", label="this cell")
+        self._log_format = FormatStrFormatter("%g")  # mathtext labels cost ~10 ms each draw
         self.band = None
         (self.total_line,) = self.ax_rate.plot([], [], color="black", label="total")
         self.rank_lines = [
@@ -81,6 +80,26 @@ class Figure:
         self.note = self.ax_rate.text(
             0.5, 0.5, "", transform=self.ax_rate.transAxes, ha="center", va="center", color="0.4"
         )
+        self.reset()
+
+    def reset(self, earlier: Sequence[Segment] = ()) -> None:
+        """Empty, for a new cell; ``earlier`` are the session's earlier cells, drawn fainter."""
+        xs: list[float] = []
+        ys: list[float] = []
+        for seg in earlier:  # one line, broken between cells
+            sx, sy = _kept(seg.steps, seg.loss)
+            xs += [*sx, math.nan]
+            ys += [*sy, math.nan]
+        self.earlier_line.set_data(xs, ys)
+        # In the title, not a legend: a legend costs ~15 ms a draw.
+        self.ax_loss.set_title(LOSS_TITLE + ("; earlier cells fainter" if earlier else ""), y=1.0)
+        self.mean_line.set_data([], [])
+        if self.band is not None:
+            self.band.remove()
+            self.band = None
+        for line in (self.total_line, *self.rank_lines):
+            line.set_data([], [])
+        self.note.set_text("")
 
     def draw(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> None:
         """Set the lines from ``agg``."""
@@ -95,7 +114,12 @@ class Figure:
             self.band = self.ax_loss.fill_between(
                 xs, [lo[i] for i in keep], [hi[i] for i in keep], alpha=0.25, color="C0"
             )
-        self.ax_loss.set_yscale("log" if use_log_scale(agg, logy) else "linear")
+        if use_log_scale(agg, logy):
+            self.ax_loss.set_yscale("log")
+            self.ax_loss.minorticks_off()
+            self.ax_loss.yaxis.set_major_formatter(self._log_format)
+        else:
+            self.ax_loss.set_yscale("linear")
         times, total, per_rank = agg.throughput_curve()
         few = len(times) < 3  # a line needs points to be seen: mark each one
         self.total_line.set_data(*_kept(times, total))
@@ -113,3 +137,17 @@ class Figure:
         buf = io.BytesIO()
         self.fig.canvas.print_png(buf)
         return buf.getvalue()
+
+
+_FIGURES: dict[int, Figure] = {}
+
+
+def figure_for(world: int, earlier: Sequence[Segment] = ()) -> Figure:
+    """The figure for a cell on ``world`` ranks, reset: one is kept per world size (the
+    cells of one kernel run one at a time, and what a cell shows is PNG bytes, not the
+    figure)."""
+    figure = _FIGURES.get(world)
+    if figure is None:
+        figure = _FIGURES[world] = Figure(world)
+    figure.reset(earlier)
+    return figure

@@ -164,6 +164,7 @@ def test_earlier_cells_continue_the_curve():
     assert live.agg.loss_curve()[0] == [5, 6, 7, 8]
     assert live.agg.segment().steps == [5, 6, 7, 8]
     faint, current = live.figure.ax_loss.get_lines()
+    assert live.figure.ax_loss.get_title().endswith("; earlier cells fainter")
     assert faint.get_label() == "earlier cells"
     assert faint.get_alpha() == 0.35 and current.get_alpha() is None  # fainter: drawn opaque
     xs = [x for x in faint.get_xdata() if x == x]  # without the breaks between cells
