@@ -80,14 +80,14 @@ class Segment:
 class Aggregate:
     """Running per-step and per-rank summaries of the metric points of one run.
 
-    ``step_base`` is the session's next step: when this cell's steps start below it (a new
-    loop counting from 0), they are shifted to continue the session's curve; steps that already
-    continue it (a global step kept on the workers) stay as they are.
+    ``earlier`` are the session's earlier cells: when this cell's steps start below the step
+    after theirs (a new loop counting from 0), they are shifted to continue the session's
+    curve; steps that already continue it (a global step kept on the workers) stay as they are.
     """
 
     world: int
     start: float = field(default_factory=time.time)
-    step_base: int = 0
+    earlier: Sequence[Segment] = ()
     loss: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> loss
     rates: list[RankRate] = field(init=False)
     work: list[list[float]] = field(init=False)  # per rank: seconds of own work per step
@@ -97,6 +97,7 @@ class Aggregate:
     seen: int = 0
 
     def __post_init__(self) -> None:
+        self.step_base = self.earlier[-1].steps[-1] + 1 if self.earlier else 0
         self.rates = [RankRate() for _ in range(self.world)]
         self.work = [[] for _ in range(self.world)]
         self.last = [{} for _ in range(self.world)]
@@ -152,11 +153,13 @@ class Aggregate:
         return [t - self.start for t in grid], total, per_rank
 
     def loss_decades(self) -> float | None:
-        """How many decades the mean loss spans; None when it is not all positive."""
+        """How many decades the mean loss spans, this session's earlier cells included (they
+        share the axis); None when it is not all positive."""
         _, mean, _, _ = self.loss_curve()
-        if not mean or min(mean) <= 0:
+        values = [*mean, *(v for seg in self.earlier for v in seg.loss)]
+        if not mean or min(values) <= 0:
             return None
-        return math.log10(max(mean) / min(mean))
+        return math.log10(max(values) / min(values))
 
     def work_per_step(self, rank: int) -> float | None:
         """Median seconds ``rank`` works (not waiting for the others) per step, recently."""

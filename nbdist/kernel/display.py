@@ -25,6 +25,9 @@ REDRAW_S = 0.5
 # The kernel shares the cores with the workers: the figure (the costly part, ~0.1 s a draw on a
 # small machine) is redrawn only as often as keeps it under this fraction of one core.
 FIGURE_CPU_BUDGET = 0.05
+# ...but never older than this: a first draw is slow (fonts, ticks made once) and a busy
+# machine slows any draw, which the budget alone would turn into a figure seconds behind.
+FIGURE_MAX_AGE_S = 2.0
 PANEL_TEXT = "nbdist live panel (loss and throughput per rank; shown live in Jupyter)"
 
 
@@ -156,7 +159,8 @@ class Dashboard:
             self.image.value = self.figure.png(self.agg, smoothing, logy)
             self.drawn = self.agg.seen
             took = time.monotonic() - now
-            self._next_figure = now + max(REDRAW_S, took / FIGURE_CPU_BUDGET)
+            wait = min(max(REDRAW_S, took / FIGURE_CPU_BUDGET), FIGURE_MAX_AGE_S)
+            self._next_figure = now + wait
 
     def close(self) -> None:
         """The widgets are done: the static figure takes their place."""
@@ -203,10 +207,8 @@ class LiveView:
         logy: bool | None = None,
         earlier: Sequence[Segment] = (),
     ) -> None:
-        base = earlier[-1].steps[-1] + 1 if earlier else 0
-        self.agg = Aggregate(world, step_base=base)
+        self.agg = Aggregate(world, earlier=list(earlier))
         self.plot, self.smoothing, self.logy = plot, smoothing, logy
-        self.earlier = list(earlier)
         self._display, self._interrupt_path = display, interrupt_path
         self.throttle = Throttle()
         self.throttle.ready()  # the first live draw comes REDRAW_S into the run
@@ -227,7 +229,7 @@ class LiveView:
 
     def _figure(self) -> Figure:
         if self.figure is None:
-            self.figure = figure_for(self.agg.world, self.earlier)
+            self.figure = figure_for(self.agg.world, self.agg.earlier)
         return self.figure
 
     def update(

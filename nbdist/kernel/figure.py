@@ -12,6 +12,7 @@ from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
 MAX_POINTS = 2000
 FIGURE_TEXT = "<nbdist figure: loss and throughput>"
 LOSS_TITLE = "loss (mean over ranks, min–max band)"
+EARLIER = "; pale: earlier cells"
 
 
 def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
@@ -62,8 +63,7 @@ class Figure:
         self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
         self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
         # Titles at a fixed height: placed automatically, they cost a layout pass (~15 ms) a draw.
-        self.ax_loss.set_title(LOSS_TITLE, y=1.0)
-        self.ax_rate.set_title("throughput (samples/s)", y=1.0)
+        self.ax_rate.set_title("throughput (samples/s)", y=1.0, fontsize=10)
         self.ax_loss.set_xlabel("step")
         self.ax_rate.set_xlabel("seconds")
         (self.earlier_line,) = self.ax_loss.plot(
@@ -92,7 +92,7 @@ class Figure:
             ys += [*sy, math.nan]
         self.earlier_line.set_data(xs, ys)
         # In the title, not a legend: a legend costs ~15 ms a draw.
-        self.ax_loss.set_title(LOSS_TITLE + ("; earlier cells fainter" if earlier else ""), y=1.0)
+        self.ax_loss.set_title(LOSS_TITLE + (EARLIER if earlier else ""), y=1.0, fontsize=10)
         self.mean_line.set_data([], [])
         if self.band is not None:
             self.band.remove()

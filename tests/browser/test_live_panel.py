@@ -155,7 +155,11 @@ def test_panel_updates_and_stop_ends_the_run(lab):
             )
         stopped_after = time.monotonic() - clicked
         page.get_by_text("nbdist: final loss").wait_for(timeout=30_000)
-        assert page.locator(".jp-OutputArea .jp-RenderedImage img").count() >= 1
         page.screenshot(path=str(SHOTS / "2_stopped.png"))
+        # One figure: the static one took the live widgets' place (its own image included).
+        outputs = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea")
+        assert outputs.locator(".jp-RenderedImage img").count() == 1
+        assert outputs.locator("img").count() == 1
+        assert outputs.locator(".jupyter-widgets").count() == 0
         assert stopped_after < 10
         browser.close()

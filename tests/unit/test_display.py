@@ -164,7 +164,7 @@ def test_earlier_cells_continue_the_curve():
     assert live.agg.loss_curve()[0] == [5, 6, 7, 8]
     assert live.agg.segment().steps == [5, 6, 7, 8]
     faint, current = live.figure.ax_loss.get_lines()
-    assert live.figure.ax_loss.get_title().endswith("; earlier cells fainter")
+    assert live.figure.ax_loss.get_title().endswith("; pale: earlier cells")
     assert faint.get_label() == "earlier cells"
     assert faint.get_alpha() == 0.35 and current.get_alpha() is None  # fainter: drawn opaque
     xs = [x for x in faint.get_xdata() if x == x]  # without the breaks between cells
@@ -173,7 +173,7 @@ def test_earlier_cells_continue_the_curve():
 
 
 def test_steps_that_already_continue_the_session_stay_as_they_are():
-    agg = Aggregate(1, step_base=100)
+    agg = Aggregate(1, earlier=[Segment(list(range(100)), [1.0] * 100)])
     agg.add([{"rank": 0, "step": 120 + s, "time": float(s), "loss": 1.0} for s in range(3)])
     assert agg.loss_curve()[0] == [120, 121, 122]
 
@@ -197,3 +197,15 @@ def test_eta_from_total_steps():
 
 def test_outside_jupyter_the_stop_button_points_to_the_interrupt():
     assert ">Stop: use Kernel > Interrupt</button>" in d.stop_button_html(None)
+
+
+def test_earlier_cells_count_for_the_log_scale():
+    spy = SpyDisplay()
+    earlier = [Segment([0, 1, 2], [100.0, 10.0, 1.0])]
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier)
+    history = [
+        {"rank": r, "step": s, "time": float(s), "loss": 0.5} for s in range(3) for r in (0, 1)
+    ]
+    summary = live.finish(history, ["done", "done"], wall=2.0, framework="torch")
+    assert live.figure.ax_loss.get_yscale() == "log"
+    assert "loss axis logarithmic (the loss spans 2.3 decades)" in summary
