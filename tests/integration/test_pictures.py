@@ -116,3 +116,28 @@ def test_training_cells_of_a_session_continue_one_curve(ready, magics):
     assert [x for x in faint.get_xdata() if x == x] == list(range(30))
     ready.run_line_magic("distrain", "reset")
     assert magics.session.curve == []
+
+
+def test_a_model_prepared_by_accelerate_counts_samples(ready, magics):
+    pytest.importorskip("accelerate")
+    cell = (
+        "from accelerate import Accelerator\n"
+        "accelerator = Accelerator(cpu=True)\n"
+        + MLP
+        + "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        + "model, opt = accelerator.prepare(model, opt)\n"
+        + "for step in range(30):\n"
+        + "    xb, yb = X[rank::world_size][:32], Y[rank::world_size][:32]\n"
+        + "    opt.zero_grad()\n"
+        + "    loss = nn.functional.mse_loss(model(xb), yb)\n"
+        + "    accelerator.backward(loss)\n"
+        + "    opt.step()\n"
+        + "(accelerator.num_processes, type(model).__name__)\n"
+    )
+    ready.run_cell_magic("distrain", "-o res", cell)
+    res = ready.user_ns["res"]
+    assert res.values == [(2, "DistributedDataParallel")] * 2
+    for rank in (0, 1):
+        points = [p for p in res.history if p["rank"] == rank]
+        assert [p.get("samples") for p in points] == [32] * 30
+    assert all(len(xs) >= 2 for xs, _ in _rate_lines(magics))
