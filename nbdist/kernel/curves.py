@@ -22,6 +22,8 @@ from typing import Any
 RATE_WINDOW_S = 2.0
 GRID_POINTS = 200  # the total's curve: the ranks' rates summed at this many instants
 STRAGGLER_RATIO = 1.25  # a rank working this much longer per step than the others is marked
+STRAGGLER_MIN_S = 0.001  # ...and at least this much longer: less is noise, nobody waits for it
+MIN_WORK_STEPS = 10  # steps measured before a rank's working time is shown or compared
 WORK_WINDOW = 200  # steps: the working time per step is a median over the most recent ones
 LOG_DECADES = 2.0  # the loss axis turns logarithmic when the loss spans more than this
 TOO_SHORT = "too short to measure throughput"
@@ -164,18 +166,19 @@ class Aggregate:
     def work_per_step(self, rank: int) -> float | None:
         """Median seconds ``rank`` works (not waiting for the others) per step, recently."""
         work = self.work[rank][-WORK_WINDOW:]
-        return statistics.median(work) if len(work) >= 3 else None
+        return statistics.median(work) if len(work) >= MIN_WORK_STEPS else None
 
     def stragglers(self) -> list[tuple[int, float]]:
-        """``(rank, ratio)`` for each rank working more than ``STRAGGLER_RATIO`` times the
-        median of the other ranks' working time per step: the ranks the others wait for."""
+        """``(rank, ratio)`` for each rank working more than ``STRAGGLER_RATIO`` times (and
+        ``STRAGGLER_MIN_S`` more than) the median of the other ranks' working time per step:
+        the ranks the others wait for."""
         work = {r: w for r in range(self.world) if (w := self.work_per_step(r)) is not None}
         if len(work) < 2:
             return []
         out = []
         for rank, mine in work.items():
             others = statistics.median(w for r, w in work.items() if r != rank)
-            if others > 0 and mine > STRAGGLER_RATIO * others:
+            if others > 0 and mine > STRAGGLER_RATIO * others and mine - others > STRAGGLER_MIN_S:
                 out.append((rank, mine / others))
         return out
 

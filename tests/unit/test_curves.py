@@ -141,3 +141,15 @@ def test_no_straggler_when_the_ranks_work_alike():
     agg.add(_working([0.010, 0.012]))
     assert agg.stragglers() == []
     assert "waiting" not in agg.summary(1.0, "torch")
+
+
+def test_a_fraction_of_a_millisecond_is_no_straggler():
+    agg = Aggregate(2, start=0.0)
+    agg.add(_working([0.0002, 0.0004]))  # twice as long, but nobody waits 0.2 ms for long
+    assert agg.stragglers() == []
+
+
+def test_too_few_steps_to_compare():
+    agg = Aggregate(2, start=0.0)
+    agg.add([p for p in _working([0.010, 0.030]) if p["step"] < 9])
+    assert agg.stragglers() == [] and agg.work_per_step(1) is None
