@@ -18,7 +18,7 @@ def visible_gpus() -> list[str]:
     """
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+        return parse_visible_devices(env)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
@@ -26,7 +26,29 @@ def visible_gpus() -> list[str]:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return []
-    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+    return listed_gpus(out.stdout)
+
+
+def parse_visible_devices(value: str) -> list[str]:
+    """The device ids a ``CUDA_VISIBLE_DEVICES`` value makes visible, in its order.
+
+    As CUDA reads it: indices or ``GPU-``/``MIG-`` UUIDs separated by commas; an invalid entry
+    (``-1``, an empty one) hides itself and every device after it.
+    """
+    out = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        out.append(entry)
+    return out
+
+
+def listed_gpus(nvidia_smi_l: str) -> list[str]:
+    """Device indices, as strings, from the output of ``nvidia-smi -L`` (one ``GPU n: ...`` line
+    per GPU; its MIG instances, indented below, are not separate devices here)."""
+    gpus = [line for line in nvidia_smi_l.splitlines() if line.startswith("GPU ")]
+    return [str(i) for i in range(len(gpus))]
 
 
 GPU_QUERY = ["--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
