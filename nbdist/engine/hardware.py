@@ -88,6 +88,47 @@ def gpu_holders() -> dict[str, list[tuple[int, int | None]]]:
     return parse_gpu_holders(gpus, apps)
 
 
+INFO_QUERY = [
+    "--query-gpu=index,uuid,name,memory.used,memory.total",
+    "--format=csv,noheader,nounits",
+]
+
+
+def parse_gpu_info(info_csv: str, ids: list[str]) -> list[dict[str, object]]:
+    """``nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total`` CSV → one dict per
+    GPU of ``ids`` (indices or UUIDs, as ``CUDA_VISIBLE_DEVICES`` names them), in their order:
+    ``{"id", "name", "used_mib", "total_mib"}``; MiB are None where nvidia-smi says ``[N/A]``."""
+    rows = {}
+    for line in info_csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5 or not parts[0].isdigit():
+            continue
+        index, uuid, name, used, total = parts
+        row = {
+            "id": index,
+            "name": name,
+            "used_mib": int(used) if used.isdigit() else None,
+            "total_mib": int(total) if total.isdigit() else None,
+        }
+        rows[index] = rows[uuid] = row
+    return [rows[i] for i in ids if i in rows]
+
+
+def gpu_info(ids: list[str]) -> list[dict[str, object]]:
+    """Name and memory in use (by every process) of the GPUs ``ids``, from ``nvidia-smi``, which
+    sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says; ``[]`` without it."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not ids:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, *INFO_QUERY], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return parse_gpu_info(out, ids)
+
+
 def busy_gpus_notice(
     visible: list[str], holders: dict[str, list[tuple[int, int | None]]], *, me: int
 ) -> str | None:
