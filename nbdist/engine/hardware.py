@@ -116,7 +116,9 @@ def parse_gpu_info(info_csv: str, ids: list[str]) -> list[dict[str, object]]:
 
 def gpu_info(ids: list[str]) -> list[dict[str, object]]:
     """Name and memory in use (by every process) of the GPUs ``ids``, from ``nvidia-smi``, which
-    sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says; ``[]`` without it."""
+    sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says; ``[]`` without it. (nvidia-smi numbers
+    GPUs in PCI bus order; CUDA does too with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and by default
+    only where all GPUs are the same model.)"""
     smi = shutil.which("nvidia-smi")
     if smi is None or not ids:
         return []
