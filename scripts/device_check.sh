@@ -33,9 +33,11 @@ SUMMARY="$RESULTS/summary.txt"
 : >"$SUMMARY"
 failed=0
 
-# limit CAP: CAP seconds, or what is left of the budget minus RESERVE for the steps after.
+# limit CAP RESERVE: CAP seconds, or what is left of the budget after RESERVE seconds are kept
+# for the steps after this one (never under 10 s).
 limit() {
-  local cap=$1 reserve=$2 left=$((BUDGET - SECONDS - $2))
+  local cap=$1 reserve=$2
+  local left=$((BUDGET - SECONDS - reserve))
   if [ "$left" -lt "$cap" ]; then cap=$left; fi
   if [ "$cap" -lt 10 ]; then cap=10; fi
   echo "$cap"
