@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nbdist-installed
 
-.PHONY: demo notebooks test lint bench clean
+.PHONY: demo notebooks test lint bench gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/session_cell.py
 	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
+
+# The wheels a bare, offline GPU machine needs beyond what it has (Python 3.12, CUDA torch, pytest,
+# matplotlib, psutil, accelerate): into .whl/ (git-ignored) for scripts/device_check.sh; pinned to
+# the versions in .venv when there is one.
+gpu-wheels:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/gpu_wheels.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbdist tests scripts benchmarks

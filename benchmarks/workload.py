@@ -1,4 +1,7 @@
-"""The one workload every launcher in ``launchers.py`` runs: same model, data, steps and threads.
+"""The workloads the launchers in ``launchers.py`` run: same model, data, steps and threads.
+
+``torch_train`` / ``tf_train`` are the CPU comparison; ``gpu_train`` is the one for
+``launchers.py --tag gpu``, sized so that a step keeps a GPU busy.
 
 Imported by the torchrun script, accelerate's ``notebook_launcher`` function, the ``%%distrain``
 cells and the plain TensorFlow workers. Each returns a dict with the wall-clock time
@@ -46,6 +49,40 @@ def torch_train(steps: int, batch: int, threads: int = 1) -> dict[str, Any]:
         opt.step()
         if device is not None:
             torch.cuda.synchronize()
+        stamps.append(time.time())
+    return {"rank": rank, "world": world, "batch": batch, "stamps": stamps, "loss": float(loss)}
+
+
+GPU_WIDTH, GPU_LAYERS = 4096, 4
+
+
+def gpu_train(steps: int, batch: int) -> dict[str, Any]:
+    """DDP training, on this rank's GPU, of an MLP sized for one: ``GPU_LAYERS`` linear layers of
+    width ``GPU_WIDTH`` in bf16 (67M parameters), synthetic data already on the GPU. Needs an
+    nccl default process group and the rank's GPU as the current device."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(GPU_LAYERS):
+        layers += [nn.Linear(GPU_WIDTH, GPU_WIDTH), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1]).to(device=device, dtype=torch.bfloat16)
+    model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(batch, GPU_WIDTH, device=device, dtype=torch.bfloat16, generator=g)
+    y = torch.randint(0, GPU_WIDTH, (batch,), device=device, generator=g)
+    stamps = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()  # the stamp is the step's end on the GPU, not its queueing
         stamps.append(time.time())
     return {"rank": rank, "world": world, "batch": batch, "stamps": stamps, "loss": float(loss)}
 

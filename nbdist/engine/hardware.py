@@ -18,7 +18,7 @@ def visible_gpus() -> list[str]:
     """
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+        return parse_visible_devices(env)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
@@ -26,7 +26,29 @@ def visible_gpus() -> list[str]:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return []
-    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+    return listed_gpus(out.stdout)
+
+
+def parse_visible_devices(value: str) -> list[str]:
+    """The device ids a ``CUDA_VISIBLE_DEVICES`` value makes visible, in its order.
+
+    As CUDA reads it: indices or ``GPU-``/``MIG-`` UUIDs separated by commas; an invalid entry
+    (``-1``, an empty one) hides itself and every device after it.
+    """
+    out = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        out.append(entry)
+    return out
+
+
+def listed_gpus(nvidia_smi_l: str) -> list[str]:
+    """Device indices, as strings, from the output of ``nvidia-smi -L`` (one ``GPU n: ...`` line
+    per GPU; its MIG instances, indented below, are not separate devices here)."""
+    gpus = [line for line in nvidia_smi_l.splitlines() if line.startswith("GPU ")]
+    return [str(i) for i in range(len(gpus))]
 
 
 GPU_QUERY = ["--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
@@ -64,6 +86,49 @@ def gpu_holders() -> dict[str, list[tuple[int, int | None]]]:
     except (OSError, subprocess.SubprocessError):
         return {}
     return parse_gpu_holders(gpus, apps)
+
+
+INFO_QUERY = [
+    "--query-gpu=index,uuid,name,memory.used,memory.total",
+    "--format=csv,noheader,nounits",
+]
+
+
+def parse_gpu_info(info_csv: str, ids: list[str]) -> list[dict[str, object]]:
+    """``nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total`` CSV → one dict per
+    GPU of ``ids`` (indices or UUIDs, as ``CUDA_VISIBLE_DEVICES`` names them), in their order:
+    ``{"id", "name", "used_mib", "total_mib"}``; MiB are None where nvidia-smi says ``[N/A]``."""
+    rows = {}
+    for line in info_csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5 or not parts[0].isdigit():
+            continue
+        index, uuid, name, used, total = parts
+        row = {
+            "id": index,
+            "name": name,
+            "used_mib": int(used) if used.isdigit() else None,
+            "total_mib": int(total) if total.isdigit() else None,
+        }
+        rows[index] = rows[uuid] = row
+    return [rows[i] for i in ids if i in rows]
+
+
+def gpu_info(ids: list[str]) -> list[dict[str, object]]:
+    """Name and memory in use (by every process) of the GPUs ``ids``, from ``nvidia-smi``, which
+    sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says; ``[]`` without it. (nvidia-smi numbers
+    GPUs in PCI bus order; CUDA does too with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and by default
+    only where all GPUs are the same model.)"""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not ids:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, *INFO_QUERY], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return parse_gpu_info(out, ids)
 
 
 def busy_gpus_notice(

@@ -93,8 +93,13 @@ def clear(namespace: dict[str, Any]) -> list[str]:
 
 
 def free_memory() -> None:
-    """Collect garbage and give freed heap back to the OS (glibc keeps it otherwise)."""
+    """Collect garbage and give freed memory back: heap to the OS (glibc keeps it otherwise),
+    GPU memory to the device (torch's caching allocator keeps it otherwise, and nvidia-smi would
+    still show it in use)."""
     gc.collect()
+    torch = sys.modules.get("torch")  # never imported for this
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     if sys.platform.startswith("linux"):
         libc = ctypes.util.find_library("c")
         if libc:

@@ -68,9 +68,12 @@ def flatten(name: str) -> dict[str, Any] | None:
 
 
 def memory() -> dict[str, Any]:
-    """This engine's resident memory, GPU memory in use (when torch has CUDA) and how many
-    variables the session namespace holds."""
+    """This engine's resident memory, the GPU memory its tensors hold (when torch has started
+    CUDA), its GPUs (name, memory in use on each by every process) and how many variables the
+    session namespace holds."""
     import psutil
+
+    from nbdist.engine.hardware import gpu_info, visible_gpus
 
     proc = psutil.Process(os.getpid())
     rss = proc.memory_info().rss
@@ -78,4 +81,9 @@ def memory() -> dict[str, Any]:
     torch = sys.modules.get("torch")  # never imported for this
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         gpu = torch.cuda.memory_allocated()
-    return {"rss": rss, "gpu": gpu, "variables": len(user_variables(session_namespace()))}
+    return {
+        "rss": rss,
+        "gpu": gpu,
+        "gpus": gpu_info(visible_gpus()),
+        "variables": len(user_variables(session_namespace())),
+    }

@@ -258,6 +258,7 @@ class LocalCluster(RankedEngines):
                     f"Use -n {self.size} or fewer, or add engines with ipcluster engines."
                 )
         elif n is not None and n != self.size:
+            _check_gpus(n)  # before the notice: a resize that cannot happen is not announced
             self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
             self.replace_engines(n)
 

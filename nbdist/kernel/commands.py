@@ -119,16 +119,34 @@ def compare(session: Session, name: str) -> Any:
 
 
 def status_lines(session: Session) -> list[str]:
-    """Each rank's memory and how many variables it holds."""
+    """Each rank's memory, its GPUs and how many variables it holds."""
     if not session.cluster.running or not session.cluster.engines:
         return []
     try:
         reports = _on_all(session, "status", session_ops.memory)
     except UsageError as e:  # a busy or dead engine: status still shows the rest
         return [f"memory: not available ({e})"]
-    lines = [f"{'rank':>4}  {'memory':>9}  {'gpu memory':>10}  variables"]
-    lines += [
+    return memory_lines(reports)
+
+
+def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """The per-rank lines of ``%distrain status`` from each rank's ``session_ops.memory()``:
+    with GPUs, a last column names each rank's GPU and the memory in use on it."""
+    head = f"{'rank':>4}  {'memory':>9}  {'gpu memory':>10}  variables"
+    rows = [
         f"{rank:>4}  {_mb(r['rss']):>9}  {_mb(r['gpu']):>10}  {r['variables']}"
         for rank, r in enumerate(reports)
     ]
-    return lines
+    if not any(r.get("gpus") for r in reports):
+        return [head, *rows]
+    width = max(len(line) for line in (head, *rows))
+    gpus = ["; ".join(_gpu_text(g) for g in r.get("gpus", [])) or "-" for r in reports]
+    return [f"{head:<{width}}  gpu"] + [
+        f"{row:<{width}}  {gpu}" for row, gpu in zip(rows, gpus, strict=True)
+    ]
+
+
+def _gpu_text(g: dict[str, Any]) -> str:
+    used, total = g["used_mib"], g["total_mib"]
+    memory = f"{used:,} of {total:,} MiB in use" if used is not None and total else "memory n/a"
+    return f"{g['id']}: {g['name']}, {memory}"

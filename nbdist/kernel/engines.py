@@ -70,6 +70,23 @@ def settle_addresses(infos: list[dict[str, Any]], *, local: str | None) -> list[
     return infos
 
 
+def gpu_for_engine(gpus: Sequence[str], *, local_rank: int, local_world_size: int) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` an engine gets, from the GPUs it sees itself (``gpus``, see
+    ``hardware.visible_gpus``) and its place among the engines of its host; None: no GPU.
+
+    One GPU per engine, in local-rank order: engine ``local_rank`` of a host gets the
+    ``local_rank``-th GPU the host shows it (with ``CUDA_VISIBLE_DEVICES=3,5`` set before the
+    start, local rank 1 gets ``5``).
+    """
+    if local_world_size == 1 and gpus:
+        return ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
+    if local_rank < len(gpus):
+        return gpus[local_rank]
+    # A launcher that binds one GPU per task (srun --gpus-per-task=1) already gave this engine
+    # its own; otherwise more engines than GPUs: this one gets none.
+    return gpus[0] if len(gpus) == 1 else None
+
+
 def rank_engines(ids: Sequence[int], infos: Sequence[dict[str, Any]]) -> list[EngineInfo]:
     """Engines in rank order, from their ids and what each reported (``worker.engine_info``
     with its ``address`` settled): local ranks per host address, and one GPU each."""
@@ -82,15 +99,7 @@ def rank_engines(ids: Sequence[int], infos: Sequence[dict[str, Any]]) -> list[En
     for rank, (eid, info) in enumerate(zip(ids, infos, strict=True)):
         peers = by_host[info["address"]]
         local_rank = peers.index(rank)
-        gpus = info["gpus"]
-        if len(peers) == 1 and gpus:
-            gpu = ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
-        elif local_rank < len(gpus):
-            gpu = gpus[local_rank]
-        else:
-            # A launcher that binds one GPU per task (srun --gpus-per-task=1) already gave
-            # this engine its own; otherwise more engines than GPUs: this one gets none.
-            gpu = gpus[0] if len(gpus) == 1 else None
+        gpu = gpu_for_engine(info["gpus"], local_rank=local_rank, local_world_size=len(peers))
         engines.append(
             EngineInfo(
                 rank=rank,

@@ -57,3 +57,39 @@ def test_summary_medians_ratios_efficiency_and_targets():
     md = launchers.markdown(summary, {"machine": "m", "date": "d", "steps": 1, "batch": 2,
                                       "reps": 3})  # fmt: skip
     assert "| cold first step / torchrun's | 1.167 | ≤ 1.000 | **no** |" in md
+
+
+def test_gpu_targets_hold_throughput_and_first_step_against_torchrun():
+    records = [
+        *(_rec("torchrun", 1, f, 5.0, s) for f, s in ((9.0, 1000.0), (8.0, 1010.0), (10.0, 990.0))),
+        *(_rec("distrain-warm", 1, f, 5.1, s) for f, s in ((0.05, 980.0), (0.04, 975.0))),
+        _rec("distrain-nolive", 1, 0.04, 5.05, 1000.0),
+        _rec("distrain-cold", 1, 12.0, 5.0, 1000.0),
+    ]
+    summary = launchers.summarize(records, n=1, gpu=True)
+    targets = {t["target"]: (round(t["value"], 4), t["met"]) for t in summary["targets"]}
+    assert targets == {
+        "warm throughput / torchrun's": (0.9775, True),  # median 977.5 / 1000
+        "warm first step / torchrun's": (0.005, True),  # 0.045 / 9.0
+        "cold first step / torchrun's": (1.3333, False),
+        "live metrics (autolog + panel) step-time cost": (0.0099, True),  # 5.1 / 5.05 - 1
+    }
+    assert [r["variant"] for r in summary["rows"]] == [
+        "torchrun",
+        "distrain-cold",
+        "distrain-warm",
+        "distrain-nolive",
+    ]
+    md = launchers.markdown(
+        summary,
+        {"machine": "m", "date": "d", "steps": 300, "batch": 8192, "reps": 2, "workload": "w"},
+    )
+    assert "| warm throughput / torchrun's | 0.978 | ≥ 0.970 | yes |" in md
+    assert md.startswith("Machine: m; d; 300 steps, batch 8192 per worker, medians of 2 ")
+    assert "TensorFlow). Workload: w.\n" in md
+
+
+def test_gpu_benchmark_refuses_without_cuda():
+    reason = launchers.no_cuda_reason(0)
+    assert reason.startswith("no CUDA GPU visible")
+    assert reason.endswith("or leave out --tag gpu for the CPU comparison")

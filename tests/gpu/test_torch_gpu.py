@@ -1,0 +1,287 @@
+"""%%distrain on real local engines, one per visible GPU, with real torch.distributed (nccl).
+
+The tests share one cluster and run in file order: the first looks at the engines before any
+cell has started CUDA on them. Run with ``pytest -m gpu`` where there are GPUs (skipped, with the
+reason, elsewhere: see ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist import WorkerError
+from nbdist.engine import session_ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cluster, pytest.mark.torch]
+
+CELL_LIMIT = "--timeout 120"  # a hung collective is a JobTimeout, not a test run without end
+MiB = 2**20
+
+# On each engine, outside any cell: its CUDA_VISIBLE_DEVICES, whether torch is imported, and
+# what the CUDA driver answers to a device count. CUDA_ERROR_NOT_INITIALIZED (3) means nothing in
+# the process has called cuInit yet, so the CUDA_VISIBLE_DEVICES set at pinning is what CUDA
+# will read. Loading libcuda to ask does not initialise it.
+PROBE = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    count = ctypes.c_int()
+    code = ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count))
+    result = (os.environ.get("CUDA_VISIBLE_DEVICES"), "torch" in sys.modules, code)
+    """
+)
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+TRAIN = textwrap.dedent(
+    """
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(4096, 64, generator=g)
+    Y = X @ torch.randn(64, 8, generator=g) / 8
+    xs, ys = X[rank::world_size].to(device), Y[rank::world_size].to(device)
+    torch.manual_seed(rank)  # different initial weights on each rank: DDP makes them equal
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
+    model = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(STEPS):
+        i = (step * 128) % (xs.shape[0] - 128)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(xs[i : i + 128]), ys[i : i + 128])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    (losses[0], losses[-1], next(model.parameters()).device.type,
+     [p.detach().cpu() for p in model.parameters()])
+    """
+)
+
+FSDP2 = textwrap.dedent(
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(4096, 64, generator=g)
+    Y = X @ torch.randn(64, 8, generator=g) / 8
+    xs, ys = X[rank::world_size].to(device), Y[rank::world_size].to(device)
+    torch.manual_seed(0)
+    sharded = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
+    for layer in (sharded[0], sharded[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    opt = torch.optim.Adam(sharded.parameters(), lr=1e-3)
+    losses = []
+    for step in range(200):
+        i = (step * 128) % (xs.shape[0] - 128)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(sharded(xs[i : i + 128]), ys[i : i + 128])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    weight = sharded[0].weight
+    (losses[0], losses[-1], type(weight).__name__, weight.device.type,
+     [p.full_tensor().cpu() for p in sharded.parameters()])
+    """
+)
+
+
+def train_cell(steps=200):
+    return TRAIN.replace("STEPS", str(steps))
+
+
+def on_engines(cluster, source):
+    """Run ``source`` (which sets ``result``) on every engine outside any cell; rank order."""
+    expr = f"(lambda ns: (exec({source!r}, ns), ns['result'])[1])({{}})"
+    return [cluster.apply_async(e.rank, eval, expr).get(60) for e in cluster.engines]
+
+
+def engine_memory(cluster):
+    """``session_ops.memory()`` of every rank (its ``gpu``: torch.cuda.memory_allocated)."""
+    return [cluster.apply_async(e.rank, session_ops.memory).get(60) for e in cluster.engines]
+
+
+def settled_gpu_memory(cluster):
+    """Each rank's torch.cuda.memory_allocated once it stops changing. nccl's watchdog thread
+    holds the buffers of finished collectives until it next wakes (every ~0.1 s): two equal
+    readings 0.3 s apart mean it has let go of them."""
+    last = None
+    for _ in range(40):
+        now = [m["gpu"] for m in engine_memory(cluster)]
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.3)
+    raise AssertionError(f"GPU memory still changing after 12 s: {last}")
+
+
+@pytest.fixture(scope="module")
+def magics(shell):
+    return shell.magics_manager.registry["DistrainMagics"]
+
+
+@pytest.fixture(scope="module")
+def on_gpus(shell, magics, gpus):
+    """A fresh cluster with one worker per visible GPU, its engines importing torch as they
+    start (as for a first %%distrain cell), before nbdist pins each to its GPU."""
+    shell.run_line_magic("distrain", "stop")  # whatever another module left running
+    magics.cluster.preload = "torch"
+    shell.run_line_magic("distrain", f"start -n {len(gpus)}")
+    yield shell
+    shell.run_line_magic("distrain", "stop")
+
+
+def test_each_engine_is_pinned_to_its_gpu_before_cuda_starts(on_gpus, magics, gpus):
+    assert [e.gpu for e in magics.cluster.engines] == gpus
+    assert on_engines(magics.cluster, PROBE) == [
+        (gpu, True, CUDA_ERROR_NOT_INITIALIZED) for gpu in gpus
+    ]
+
+
+def test_nccl_is_the_default_and_each_rank_has_cuda_0(on_gpus, gpus):
+    cell = textwrap.dedent(
+        """
+        import os
+        t = torch.ones(1, device=device) * (rank + 1)
+        dist.all_reduce(t)
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        (dist.get_backend(), str(device), torch.cuda.device_count(), torch.cuda.current_device(),
+         os.environ["CUDA_VISIBLE_DEVICES"], t.item(), uuid)
+        """
+    )
+    on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", cell)
+    values = on_gpus.user_ns["res"].values
+    n = len(gpus)
+    assert [v[:6] for v in values] == [
+        ("nccl", "cuda:0", 1, 0, gpu, n * (n + 1) / 2) for gpu in gpus
+    ]
+    assert len({v[6] for v in values}) == n  # n different physical GPUs
+
+
+def test_ddp_mlp_trains_on_the_gpus_with_parameters_equal_across_ranks(on_gpus, gpus):
+    on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", train_cell())
+    values = on_gpus.user_ns["res"].values
+    assert len(values) == len(gpus)
+    for first, last, device_type, _ in values:
+        assert device_type == "cuda"
+        assert last < 0.5 * first
+    params0 = values[0][3]
+    assert len(params0) == 4
+    for _, _, _, params in values[1:]:
+        for a, b in zip(params0, params, strict=True):
+            assert a.equal(b)
+
+
+def test_fsdp2_trains_on_the_gpus(on_gpus, gpus):
+    on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", FSDP2)
+    values = on_gpus.user_ns["res"].values
+    assert len(values) == len(gpus)
+    for first, last, kind, device_type, _ in values:
+        assert (kind, device_type) == ("DTensor", "cuda")
+        assert last < 0.5 * first
+    for _, _, _, _, params in values[1:]:
+        for a, b in zip(values[0][4], params, strict=True):
+            assert a.equal(b)
+
+
+def test_status_names_each_gpu_and_the_memory_in_use(on_gpus, magics, gpus, capsys):
+    cell = "held = torch.ones(64 * 2**20 // 4, device=device)\ntorch.cuda.get_device_name(0)\n"
+    on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", cell)
+    names = on_gpus.user_ns["res"].values
+    capsys.readouterr()
+    on_gpus.run_line_magic("distrain", "status")
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("rank     memory  gpu memory")]
+    assert len(heads) == 1, out
+    head = heads[0]
+    assert lines[head].endswith("variables  gpu"), out
+    rows = lines[head + 1 : head + 1 + len(gpus)]
+    for rank, (row, gpu, name) in enumerate(zip(rows, gpus, names, strict=True)):
+        m = re.fullmatch(
+            rf"\s*{rank}\s+\d+ MB\s+(\d+) MB\s+\d+\s+{re.escape(gpu)}: {re.escape(name)}, "
+            r"([\d,]+) of ([\d,]+) MiB in use",
+            row,
+        )
+        assert m, f"status row for rank {rank}: {row!r}\n{out}"
+        held_mb, used, total = int(m[1]), int(m[2].replace(",", "")), int(m[3].replace(",", ""))
+        assert held_mb >= 64  # this rank's tensors, torch's count
+        assert 64 <= used <= total  # the whole GPU, nvidia-smi's count
+    # The hosts line names the GPUs the workers use.
+    assert f"GPUs {','.join(gpus)}" in out
+
+
+def test_reset_gives_the_gpu_memory_back(on_gpus, magics):
+    cluster = magics.cluster
+    # Baseline after one training cell and a reset: what a rank keeps for good (cuBLAS's
+    # workspace, taken at the first matmul) is in it.
+    on_gpus.run_cell_magic("distrain", CELL_LIMIT, train_cell(steps=20))
+    on_gpus.run_line_magic("distrain", "reset")
+    base = settled_gpu_memory(cluster)
+    reserved = "import torch\nresult = torch.cuda.memory_reserved()\n"
+    base_reserved = on_engines(cluster, reserved)
+
+    cell = "big = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)\n" + train_cell(20)
+    on_gpus.run_cell_magic("distrain", CELL_LIMIT, cell)
+    during = [m["gpu"] for m in engine_memory(cluster)]
+    assert all(d >= b + 512 * MiB for d, b in zip(during, base, strict=True))
+
+    on_gpus.run_line_magic("distrain", "reset")
+    assert settled_gpu_memory(cluster) == base
+    # And the cache hands it back to the device: nvidia-smi sees it free again.
+    after_reserved = on_engines(cluster, reserved)
+    assert all(a < b + 512 * MiB for a, b in zip(after_reserved, base_reserved, strict=True))
+
+
+def test_more_workers_than_gpus_is_a_usage_error(on_gpus, magics, gpus):
+    n = len(gpus)
+    with pytest.raises(UsageError) as info:
+        on_gpus.run_cell_magic("distrain", f"-n {n + 1} --backend nccl", "x = 1\n")
+    assert str(info.value) == (
+        f"%%distrain: -n {n + 1} asks for more workers than the {n} visible GPUs "
+        f"(one worker per GPU); use -n {n}."
+    )
+    assert magics.cluster.size == n
+    assert on_gpus.run_cell_magic("distrain", "-o res", "world_size") == n
+
+
+def test_gloo_on_gpu_engines(on_gpus, gpus):
+    cell = textwrap.dedent(
+        """
+        import os
+        t = torch.ones(1) * (rank + 1)
+        dist.all_reduce(t)
+        c = torch.ones(1, device="cuda:0") * (rank + 1)  # gloo reduces CUDA tensors too
+        dist.all_reduce(c)
+        (dist.get_backend(), str(device), t.item(), c.item(), torch.cuda.device_count(),
+         os.environ["CUDA_VISIBLE_DEVICES"])
+        """
+    )
+    on_gpus.run_cell_magic("distrain", f"--backend gloo -o res {CELL_LIMIT}", cell)
+    n = len(gpus)
+    total = n * (n + 1) / 2
+    assert on_gpus.user_ns["res"].values == [("gloo", "cpu", total, total, 1, gpu) for gpu in gpus]
+
+
+def test_a_rank_that_raises_is_reported_and_the_next_gpu_cell_works(on_gpus, gpus):
+    n = len(gpus)
+    cell = textwrap.dedent(
+        """
+        t = torch.ones(1, device=device)
+        dist.all_reduce(t)
+        if rank == world_size - 1:
+            raise ValueError(f"bad batch on rank {rank}")
+        t.item()
+        """
+    )
+    with pytest.raises(WorkerError) as info:
+        on_gpus.run_cell_magic("distrain", CELL_LIMIT, cell)
+    assert info.value.ranks == [n - 1]
+    assert f"raised ValueError: bad batch on rank {n - 1}" in str(info.value)
+    after = "t = torch.ones(1, device=device)\ndist.all_reduce(t)\n(dist.get_backend(), t.item())\n"
+    on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", after)
+    assert on_gpus.user_ns["res"].values == [("nccl", float(n))] * n
