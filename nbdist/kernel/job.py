@@ -33,6 +33,7 @@ from typing import Any
 
 from nbdist.engine import backends, worker
 from nbdist.engine.spec import RankSpec
+from nbdist.engine.waiting import WHERE_KEY
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.display import LiveView
@@ -109,6 +110,7 @@ class Job:
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
+        self.ars: list[Any] = []
 
     def run(self) -> Outcome:
         start = time.monotonic()
@@ -116,6 +118,7 @@ class Job:
         # first init_process_group, or a new strategy, needs every rank).
         joining = [self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
+        self.ars = ars
         release = backends.load(self.framework).peer_release_s(self.specs[0].options)
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
@@ -281,10 +284,20 @@ class Job:
         been idle. Ranks that are not waiting (finished, or left out by ``--on``) drop their
         part of the group first (the stop branch of the watch loop does it), which fails the
         pending collectives; SIGINT follows only after the backend's release time."""
+        steps = {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)}
         self.watch.stalled = {
             "ranks": [self.ranks[p] for p in idle_for],
-            "steps": {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)},
+            "steps": steps,
             "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
+            "framework": self.framework,
+            # Where each waiting rank's cell is (nbdist.engine.waiting), when it said.
+            "where": {self.ranks[p]: _where(self.ars[p]) for p in pending},
+            # Ranks that finished the cell while others wait: they ran fewer steps.
+            "finished": [
+                self.ranks[p]
+                for p, ar in enumerate(self.ars)
+                if p not in pending and ar.ready() and not _failed(ar)
+            ],
             **({"all_idle": True} if all_idle else {}),
         }
         # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
@@ -340,6 +353,13 @@ def states(ars: list[Any], watch: Watch) -> list[str]:
         else:
             out.append("done")
     return out
+
+
+def _where(ar: Any) -> dict[str, Any] | None:
+    try:
+        return ar.data.get(WHERE_KEY)
+    except Exception:  # the task's metadata could not be read: where it waits is unknown
+        return None
 
 
 def _failure_type(ar: Any) -> str | None:
