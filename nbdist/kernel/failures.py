@@ -149,6 +149,14 @@ def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
         if opts.on is None and disagreement(watch.stalled):
             return RanksDisagree(disagree_message(watch.stalled, opts.stall, outcome))
         return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on))
+    if (
+        watch.reason in (None, "failure")  # None: the last rank to end was the one that failed
+        and opts.on is None
+        and watch.stalled.get("finished")
+        and outcome.failures
+        and all(lost_peer(f) for f in outcome.failures)
+    ):  # the only errors are collectives that timed out waiting for ranks that had finished
+        return RanksDisagree(disagree_message(watch.stalled, None, outcome))
     if outcome.failures:  # a KeyboardInterrupt here came from the cell itself, not from nbdist
         return WorkerError(outcome.failures, stopped=stopped)
     if watch.reason == "timeout":
@@ -193,8 +201,9 @@ _SAME_STEPS = {
 }
 
 
-def disagree_message(stalled: dict[str, Any], limit: float, outcome: Outcome) -> str:
-    """Which ranks finished (after how many steps) or where each waits, and the fix."""
+def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outcome) -> str:
+    """Which ranks finished (after how many steps) or where each waits, and the fix; ``limit``
+    is the ``--stall`` that caught it, None when the waiting ranks' collectives timed out."""
     steps, where = stalled["steps"], stalled.get("where", {})
     waiting = [r for r in outcome.ranks if r not in stalled.get("finished", [])]
 
@@ -208,10 +217,17 @@ def disagree_message(stalled: dict[str, Any], limit: float, outcome: Outcome) ->
             f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} could not be "
             "freed and had to be killed."
         )
+    elif freed and stalled.get("framework") == "tf":
+        # TensorFlow's collectives notice a peer that left only at their timeout.
+        tail = (
+            f"TensorFlow's collective timeout ({stalled.get('release_s', 0):g} s) freed "
+            f"rank{'s' if len(freed) > 1 else ''} {', '.join(map(str, freed))}: the engines are "
+            "the same."
+        )
     elif freed:
         tail = (
             f"nbdist freed rank{'s' if len(freed) > 1 else ''} {', '.join(map(str, freed))} "
-            "without killing it: the engines are the same."
+            f"without killing {'them' if len(freed) > 1 else 'it'}: the engines are the same."
         )
     else:
         tail = f"Stopped ranks {', '.join(map(str, outcome.stopped))}."
@@ -223,8 +239,9 @@ def disagree_message(stalled: dict[str, Any], limit: float, outcome: Outcome) ->
         )
         fix = _SAME_STEPS.get(stalled.get("framework"), _SAME_STEPS["torch"])
         gone = stalled["finished"]
+        lead = "" if limit is None else f"no progress for {limit:g} s: "
         return (
-            f"no progress for {limit:g} s: {done}, while {'; '.join(map(at, waiting))}: a "
+            f"{lead}{done}, while {'; '.join(map(at, waiting))}: a "
             f"collective that rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
             f"will never join. The ranks ran different numbers of steps: {fix}. {tail}"
         )

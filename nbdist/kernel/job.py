@@ -111,6 +111,7 @@ class Job:
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
         self.ars: list[Any] = []
+        self._release_s = 0.0
 
     def run(self) -> Outcome:
         start = time.monotonic()
@@ -120,6 +121,7 @@ class Job:
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         self.ars = ars
         release = backends.load(self.framework).peer_release_s(self.specs[0].options)
+        self._release_s = release
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
@@ -160,6 +162,12 @@ class Job:
         collect(outcome, self.specs, self.cluster)
         expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
         drain(self.stream, ars, expected)
+        if watch.reason in (None, "failure") and not watch.stalled:
+            # A collective with a timeout (TensorFlow's) fails when its peer finished the cell
+            # instead of waiting for it: failures.py tells that apart from a rank's own error.
+            failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
+            if failed:
+                watch.stalled = self._record(failed, {})
         outcome.history = self.stream.history
         outcome.meta = self.stream.meta[0]
         return outcome
@@ -284,24 +292,32 @@ class Job:
         been idle. Ranks that are not waiting (finished, or left out by ``--on``) drop their
         part of the group first (the stop branch of the watch loop does it), which fails the
         pending collectives; SIGINT follows only after the backend's release time."""
+        self.watch.stalled = self._record(pending, idle_for, all_idle=all_idle)
+        # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
+        self.watch.start("stalled", now if len(pending) < self.world else now - peer_grace)
+
+    def _record(
+        self, waiting: list[int], idle_for: dict[int, float], *, all_idle: bool = False
+    ) -> dict[str, Any]:
+        """Who stalled (``idle_for``), at which step, where the ``waiting`` positions wait,
+        and which ranks finished the cell meanwhile."""
         steps = {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)}
-        self.watch.stalled = {
+        return {
             "ranks": [self.ranks[p] for p in idle_for],
             "steps": steps,
             "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
             "framework": self.framework,
+            "release_s": self._release_s,  # how long a waiting rank takes to notice a lost peer
             # Where each waiting rank's cell is (nbdist.engine.waiting), when it said.
-            "where": {self.ranks[p]: _where(self.ars[p]) for p in pending},
+            "where": {self.ranks[p]: _where(self.ars[p]) for p in waiting},
             # Ranks that finished the cell while others wait: they ran fewer steps.
             "finished": [
                 self.ranks[p]
                 for p, ar in enumerate(self.ars)
-                if p not in pending and ar.ready() and not _failed(ar)
+                if p not in waiting and ar.ready() and not _failed(ar)
             ],
             **({"all_idle": True} if all_idle else {}),
         }
-        # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
-        self.watch.start("stalled", now if len(pending) < self.world else now - peer_grace)
 
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
