@@ -56,6 +56,7 @@ PUMP_EVERY_S = 0.05
 LIVENESS_EVERY_S = 0.25
 CPU_SAMPLE_EVERY_S = 1.0
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
+LAST_OUTPUT_WAIT_S = 2.0  # ... and the last lines a rank printed
 RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
 
 
@@ -131,6 +132,12 @@ class Job:
         # A rank nbdist killed itself is "stopped", never "died".
         seen_dead = set(watch.dead) | set(self._dead(range(len(ars))))
         watch.dead = sorted(seen_dead - set(watch.killed))
+        # A task's result can overtake its last printed lines (they come on another channel):
+        # seen in a notebook, a 0.05 s cell whose prints never showed.
+        deadline = time.monotonic() + LAST_OUTPUT_WAIT_S
+        for p, ar in enumerate(ars):
+            if ar.ready() and p not in watch.dead and p not in watch.killed:
+                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
             ranks=self.ranks, world=self.world, ars=ars, watch=watch, wall=wall, reports={},
