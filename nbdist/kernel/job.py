@@ -17,7 +17,9 @@ group frees its peers), the collective timeout for TensorFlow.
    is replaced, so the next run starts clean.
 
 What the outcome means for the session (kept variables or a rebuilt group) is decided in
-:mod:`nbdist.kernel.failures`.
+:mod:`nbdist.kernel.failures`, and so is the error: the stall record kept here (each rank's last
+step, where each waiting rank's cell is as :mod:`nbdist.engine.waiting` reported it, which ranks
+finished meanwhile) tells ranks that disagree (``RanksDisagree``) from one stuck rank.
 """
 
 from __future__ import annotations
