@@ -16,6 +16,7 @@ from nbdist.errors import (
     JobTimeout,
     NbdistWarning,
     RankFailure,
+    RanksDisagree,
     WorkerDied,
     WorkerError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "NbdistWarning",
     "RankFailure",
     "RankResult",
+    "RanksDisagree",
     "RunOptions",
     "ScanResult",
     "WorkerDied",

@@ -5,6 +5,8 @@
     ├── WorkerDied                an engine process died during the job (engines are replaced)
     ├── JobTimeout                ``--timeout`` elapsed; every rank was stopped
     │   └── JobStalled            a rank made no progress for ``--stall`` seconds (default 60)
+    │       └── RanksDisagree     some ranks finished (or wait in another collective) while
+    │                             others wait in a collective: different steps or code paths
     ├── JobInterrupted            the notebook's interrupt stopped the job
     └── ClusterError              the ipyparallel cluster could not be started or reached
 
@@ -30,6 +32,7 @@ __all__ = [
     "JobTimeout",
     "NbdistWarning",
     "RankFailure",
+    "RanksDisagree",
     "WorkerDied",
     "WorkerError",
 ]
@@ -90,6 +93,12 @@ class JobTimeout(DistrainError):
 class JobStalled(JobTimeout):
     """A rank made no progress (no logged step, no backward, no Keras batch) for ``--stall``
     seconds while the job ran; every rank was stopped."""
+
+
+class RanksDisagree(JobStalled):
+    """Some ranks finished the cell, or wait in a different collective, while others wait in
+    a collective that can never complete: the ranks ran different numbers of steps or took
+    different code paths. nbdist frees the waiting ranks without killing them (torch)."""
 
 
 class JobInterrupted(DistrainError):

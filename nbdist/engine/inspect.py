@@ -94,6 +94,9 @@ def _tensor_to_numpy(tensor: Any) -> Any:
     if tensor.is_meta:
         raise TypeError("cannot compare a meta tensor: it has no data")
     t = tensor.detach()
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        # A DTensor (FSDP2's parameters): what this rank holds is its local shard.
+        t = t.to_local()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_quantized:

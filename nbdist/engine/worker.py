@@ -36,6 +36,7 @@ from nbdist.engine.metrics import Recorder
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import engine_state
+from nbdist.engine.waiting import WhereReporter
 
 __all__ = [
     "check_group",
@@ -163,8 +164,11 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     namespace = {"__name__": "__main__"} if spec.fresh else session_namespace()
     report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
     failure = None
-    recorder = Recorder(_publisher(), autolog=spec.autolog)
+    publish = _publisher()
+    recorder = Recorder(publish, autolog=spec.autolog)
     recorder.start()
+    where = WhereReporter(publish, spec.filename)
+    where.start()
     state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
@@ -192,6 +196,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         failure = _describe(exc, spec, host)
     finally:
         with _sigint_ignored():
+            where.close()
             state.recorder = None
             recorder.close()
             if spec.fresh:
@@ -262,10 +267,18 @@ def _repr(value: Any) -> str:
 
 
 def _publisher() -> Any:
-    """ipyparallel's ``publish_data``: this engine's data channel to the notebook."""
+    """ipyparallel's ``publish_data``: this engine's data channel to the notebook, for the
+    threads that share it (the cell's, the metrics flusher, the place sampler): one message at a
+    time, since a zmq socket is not thread-safe."""
     from ipyparallel.engine.datapub import publish_data
 
-    return publish_data
+    lock = threading.Lock()
+
+    def publish(data: dict[str, Any]) -> None:
+        with lock:
+            publish_data(data)
+
+    return publish
 
 
 class _PullError(Exception):

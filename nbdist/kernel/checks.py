@@ -2,7 +2,8 @@
 
 Each rule is one function ``(tree, context) -> list[Finding]`` in ``RULES``. A finding is one
 line: what is wrong, why it matters in distributed training, the fix, and where tutorial 04
-explains it. Findings never block a run.
+explains it (tutorial 08 for the rules about ranks that run different code). Findings never
+block a run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 TUTORIAL = "notebooks/04_common_mistakes.ipynb"
+RANKS_TUTORIAL = "notebooks/08_when_ranks_disagree.ipynb"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +226,12 @@ def unguarded_side_effects(tree: ast.Module, ctx: CheckContext) -> list[Finding]
         if not isinstance(node, ast.Call):
             continue
         name = call_name(node)
-        if name in ("save", "save_weights", "save_model"):
+        # torch.distributed.checkpoint's save is collective: every rank calls it.
+        collective_save = isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) in (
+            "dcp",
+            "torch.distributed.checkpoint",
+        )
+        if name in ("save", "save_weights", "save_model") and not collective_save:
             out.append(
                 Finding(
                     rule="unguarded-save",
@@ -359,6 +366,159 @@ def per_worker_batch(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     return out
 
 
+_MP_MODULES = ("multiprocessing", "torch.multiprocessing")
+_STARTERS = ("spawn", "start_processes", "Process")
+
+
+def _mp_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names bound to a multiprocessing module, process starters imported by name)."""
+    modules, starters = {"mp", *_MP_MODULES}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in _MP_MODULES:
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module in _MP_MODULES:
+            starters.update(a.asname or a.name for a in node.names if a.name in _STARTERS)
+    return modules, starters
+
+
+def spawn_in_cell(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    modules, starters = _mp_names(tree)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        by_module = (
+            isinstance(func, ast.Attribute)
+            and func.attr in _STARTERS
+            and ast.unparse(func.value) in modules
+        )
+        if not (by_module or (isinstance(func, ast.Name) and func.id in starters)):
+            continue
+        target = (
+            _kwarg(node, "target") or _kwarg(node, "fn") or (node.args[0] if node.args else None)
+        )
+        fn = target.id if isinstance(target, ast.Name) else "your_worker"
+        out.append(
+            Finding(
+                rule="spawn-in-cell",
+                line=node.lineno,
+                message=f"{ast.unparse(func)}(...) starts worker processes from a %%distrain "
+                "cell: nbdist already runs one process per rank, and a function defined in a "
+                "cell cannot be pickled to new processes (PicklingError on every rank). Call "
+                f"{fn}(rank, world_size) directly (see {RANKS_TUTORIAL}, 'One process per rank').",
+            )
+        )
+    return out
+
+
+def _is_rank(node: ast.AST | None) -> bool:
+    """The global rank: ``rank``, ``dist.get_rank()``, ``f"cuda:{rank}"``."""
+    if isinstance(node, ast.Name):
+        return node.id == "rank"
+    if isinstance(node, ast.Call):
+        return call_name(node) == "get_rank"
+    if isinstance(node, ast.JoinedStr):
+        return any(isinstance(v, ast.FormattedValue) and _is_rank(v.value) for v in node.values)
+    return False
+
+
+def rank_as_gpu_index(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, args = call_name(node), node.args
+        ids = _kwarg(node, "device_ids")
+        if isinstance(ids, (ast.List, ast.Tuple)) and any(map(_is_rank, ids.elts)):
+            what = f"device_ids={ast.unparse(ids)}"
+        elif _is_rank(_kwarg(node, "output_device")):
+            what = "output_device=rank"
+        elif name in ("to", "cuda", "set_device") and args and _is_rank(args[0]):
+            what = f"{name}({ast.unparse(args[0])})"
+        elif name == "device" and any(map(_is_rank, args)):
+            what = ast.unparse(node)
+        else:
+            continue
+        out.append(
+            Finding(
+                rule="rank-as-gpu-index",
+                line=node.lineno,
+                message=f"{what} uses the global rank as a GPU index: on several hosts rank is "
+                "not a GPU index (rank 5 on a 4-GPU host has no GPU 5), and on CPU workers "
+                "there is no GPU at all. nbdist already pins each worker to its GPU: use "
+                "model.to(device), and DDP(model) without device_ids "
+                f"(see {RANKS_TUTORIAL}, 'One process per rank').",
+            )
+        )
+    return out
+
+
+def _per_rank_slice(node: ast.AST) -> bool:
+    """``data[rank::world_size]``, ``torch.chunk(data, n)[rank]``, ``np.array_split(...)[rank]``."""
+    if not isinstance(node, ast.Subscript):
+        return False
+    index = node.slice
+    if isinstance(index, ast.Slice):
+        return _is_rank(index.lower) and index.step is not None
+    return _is_rank(index) and call_name(node.value) in ("chunk", "array_split", "tensor_split")
+
+
+_COLLECTIVE_CALLS = ("backward", "all_reduce", "all_gather", "broadcast", "barrier", "reduce")
+
+
+def uneven_slices(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    slices = {}  # name -> the line of the per-rank slice it comes from
+    joined = {id(n) for w in _with_blocks(tree, "Join") for n in ast.walk(w)}
+    for node in sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Assign)), key=lambda n: n.lineno
+    ):
+        used = [
+            slices[n.id] for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id in slices
+        ]
+        source = next((n.lineno for n in ast.walk(node.value) if _per_rank_slice(n)), None)
+        line = source or (used[0] if used else None)
+        if line is not None:
+            for target in node.targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        slices[n.id] = line
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.For) or id(node) in joined:
+            continue
+        from_slice = [
+            slices[n.id] for n in ast.walk(node.iter) if isinstance(n, ast.Name) and n.id in slices
+        ]
+        collective = next(calls(ast.Module(node.body, type_ignores=[]), *_COLLECTIVE_CALLS), None)
+        if from_slice and collective is not None:
+            out.append(
+                Finding(
+                    rule="uneven-slices",
+                    line=node.lineno,
+                    message=f"a warning: this loop runs over a per-rank slice of the data (line "
+                    f"{from_slice[0]}) and calls {call_name(collective)}() inside. When the rows "
+                    "do not divide evenly the ranks run different numbers of steps, and the rank "
+                    "with more waits forever in its last collective. Give every rank the same "
+                    "number of batches (DistributedSampler pads; drop_last=True) or wrap the loop "
+                    "in torch.distributed.algorithms.Join; if every slice has the same length, "
+                    f"ignore this (see {RANKS_TUTORIAL}, 'Uneven inputs').",
+                )
+            )
+    return out
+
+
+def _with_blocks(tree: ast.Module, name: str) -> list[ast.With]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.With)
+        and any(call_name(item.context_expr) == name for item in node.items)
+    ]
+
+
 RULES: tuple[Callable[[ast.Module, CheckContext], list[Finding]], ...] = (
     dataparallel_with_ddp,
     loader_without_sampler,
@@ -370,6 +530,9 @@ RULES: tuple[Callable[[ast.Module, CheckContext], list[Finding]], ...] = (
     tfconfig_connect,
     strategy_after_ops,
     per_worker_batch,
+    spawn_in_cell,
+    rank_as_gpu_index,
+    uneven_slices,
 )
 
 

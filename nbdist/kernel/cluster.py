@@ -275,10 +275,16 @@ class LocalCluster(RankedEngines):
             self._notify(notice)
         n = n or self.size
         _check_gpus(n)
+        old = {e.engine_id for e in self.engines}
         shutdown_engines(self._client, [e.pid for e in self.engines])
         self._forget_engines()
         self._cluster.stop_engines_sync()
         self._record_pids()
+        # Engines killed a moment ago stay registered until the hub misses their heartbeats:
+        # counting them as the new ones sent the set-up to dead engines (EngineError).
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while old & set(self._client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
             self.preload, n, self.network
         )

@@ -27,6 +27,7 @@ from nbdist.errors import (
     JobInterrupted,
     JobStalled,
     JobTimeout,
+    RanksDisagree,
     WorkerDied,
     WorkerError,
     lost_peer,
@@ -145,7 +146,17 @@ def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
             )
         return WorkerDied(f"{where} died during the job")
     if watch.reason == "stalled":
+        if opts.on is None and disagreement(watch.stalled):
+            return RanksDisagree(disagree_message(watch.stalled, opts.stall, outcome))
         return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on))
+    if (
+        watch.reason in (None, "failure")  # None: the last rank to end was the one that failed
+        and opts.on is None
+        and watch.stalled.get("finished")
+        and outcome.failures
+        and all(lost_peer(f) for f in outcome.failures)
+    ):  # the only errors are collectives that timed out waiting for ranks that had finished
+        return RanksDisagree(disagree_message(watch.stalled, None, outcome))
     if outcome.failures:  # a KeyboardInterrupt here came from the cell itself, not from nbdist
         return WorkerError(outcome.failures, stopped=stopped)
     if watch.reason == "timeout":
@@ -158,6 +169,88 @@ def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
             f"interrupted (Stop button or Kernel > Interrupt); stopped ranks {named}."
         )
     return None
+
+
+def _waits_in(where: dict[str, Any] | None) -> str:
+    """`` in <collective> (cell line N: <text>)`` as far as the rank told where it waits."""
+    if not where:
+        return ""
+    what = f" in {where['collective']}" if where.get("collective") else ""
+    return f"{what} (cell line {where['line']}: {where['line_text']})"
+
+
+def _collectives(stalled: dict[str, Any]) -> dict[int, str]:
+    return {
+        r: w["collective"]
+        for r, w in stalled.get("where", {}).items()
+        if w and w.get("collective") and r in stalled["ranks"]
+    }
+
+
+def disagreement(stalled: dict[str, Any]) -> bool:
+    """Whether a stall is ranks that disagree: some finished the cell while others wait, or
+    the waiting ranks sit in different collectives."""
+    return bool(stalled.get("finished")) or len(set(_collectives(stalled).values())) > 1
+
+
+_SAME_STEPS = {
+    "torch": "give every rank the same number of batches (DistributedSampler pads; "
+    "drop_last=True), or wrap the loop in torch.distributed.algorithms.Join",
+    "tf": "give every worker the same number of steps (the same steps_per_epoch, a dataset "
+    "each worker reads the same number of batches from)",
+}
+
+
+def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outcome) -> str:
+    """Which ranks finished (after how many steps) or where each waits, and the fix; ``limit``
+    is the ``--stall`` that caught it, None when the waiting ranks' collectives timed out."""
+    steps, where = stalled["steps"], stalled.get("where", {})
+    waiting = [r for r in outcome.ranks if r not in stalled.get("finished", [])]
+
+    def at(rank: int) -> str:
+        step = "before its first step" if steps.get(rank) is None else f"at step {steps[rank]}"
+        return f"rank {rank} waits {step}{_waits_in(where.get(rank))}"
+
+    freed = [r for r in waiting if r not in outcome.stopped]
+    if outcome.replaced:
+        tail = (
+            f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} could not be "
+            "freed and had to be killed."
+        )
+    elif freed and stalled.get("framework") == "tf":
+        # TensorFlow's collectives notice a peer that left only at their timeout.
+        tail = (
+            f"TensorFlow's collective timeout ({stalled.get('release_s', 0):g} s) freed "
+            f"rank{'s' if len(freed) > 1 else ''} {', '.join(map(str, freed))}: the engines are "
+            "the same."
+        )
+    elif freed:
+        tail = (
+            f"nbdist freed rank{'s' if len(freed) > 1 else ''} {', '.join(map(str, freed))} "
+            f"without killing {'them' if len(freed) > 1 else 'it'}: the engines are the same."
+        )
+    else:
+        tail = f"Stopped ranks {', '.join(map(str, outcome.stopped))}."
+    if stalled.get("finished"):
+        done = ", ".join(
+            f"rank {r} finished the cell"
+            + ("" if steps.get(r) is None else f" after {steps[r] + 1} steps")
+            for r in stalled["finished"]
+        )
+        fix = _SAME_STEPS.get(stalled.get("framework"), _SAME_STEPS["torch"])
+        gone = stalled["finished"]
+        lead = "" if limit is None else f"no progress for {limit:g} s: "
+        return (
+            f"{lead}{done}, while {'; '.join(map(at, waiting))}: a "
+            f"collective that rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+            f"will never join. The ranks ran different numbers of steps: {fix}. {tail}"
+        )
+    return (
+        f"no progress for {limit:g} s: the ranks wait in different collectives: "
+        f"{'; '.join(map(at, waiting))}. Every rank must call the same collectives in the same "
+        "order: look for a collective under `if rank == ...`, or in a loop whose length differs "
+        f"between ranks. {tail}"
+    )
 
 
 def stall_message(
@@ -198,10 +291,19 @@ def stall_message(
 
     behind = min(key(r) for r in stalled["ranks"])
     stuck = [r for r in stalled["ranks"] if key(r) == behind]
+    where = stalled.get("where", {})
+    # At the same step, a rank in a collective waits for one that is not.
+    waiting = [r for r in stuck if (where.get(r) or {}).get("collective")]
+    if waiting and len(waiting) < len(stuck):
+        stuck = [r for r in stuck if r not in waiting]
     parts = [
-        f"rank {r} is stuck {at(r)} (no progress for {stalled['idle'][r]:.0f} s)" for r in stuck
+        f"rank {r} is stuck {at(r)}{_waits_in(where.get(r))} (no progress for "
+        f"{stalled['idle'][r]:.0f} s)"
+        for r in stuck
     ]
-    parts += [f"rank {r} waits {at(r)}" for r in job_ranks if r not in stuck]
+    parts += [
+        f"rank {r} waits {at(r)}{_waits_in(where.get(r))}" for r in job_ranks if r not in stuck
+    ]
     return (
         f"no progress for {limit:g} s: {'; '.join(parts)}. "
         f"Stopped ranks {', '.join(map(str, stopped or job_ranks))}. Look for what the stuck "

@@ -17,7 +17,9 @@ group frees its peers), the collective timeout for TensorFlow.
    is replaced, so the next run starts clean.
 
 What the outcome means for the session (kept variables or a rebuilt group) is decided in
-:mod:`nbdist.kernel.failures`.
+:mod:`nbdist.kernel.failures`, and so is the error: the stall record kept here (each rank's last
+step, where each waiting rank's cell is as :mod:`nbdist.engine.waiting` reported it, which ranks
+finished meanwhile) tells ranks that disagree (``RanksDisagree``) from one stuck rank.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from nbdist.engine import backends, worker
 from nbdist.engine.spec import RankSpec
+from nbdist.engine.waiting import WHERE_KEY
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.display import LiveView
@@ -55,6 +58,7 @@ PUMP_EVERY_S = 0.05
 LIVENESS_EVERY_S = 0.25
 CPU_SAMPLE_EVERY_S = 1.0
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
+LAST_OUTPUT_WAIT_S = 2.0  # ... and the last lines a rank printed
 RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
 
 
@@ -109,6 +113,8 @@ class Job:
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
+        self.ars: list[Any] = []
+        self._release_s = 0.0
 
     def run(self) -> Outcome:
         start = time.monotonic()
@@ -116,7 +122,9 @@ class Job:
         # first init_process_group, or a new strategy, needs every rank).
         joining = [self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
+        self.ars = ars
         release = backends.load(self.framework).peer_release_s(self.specs[0].options)
+        self._release_s = release
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
@@ -126,6 +134,12 @@ class Job:
         # A rank nbdist killed itself is "stopped", never "died".
         seen_dead = set(watch.dead) | set(self._dead(range(len(ars))))
         watch.dead = sorted(seen_dead - set(watch.killed))
+        # A task's result can overtake its last printed lines (they come on another channel):
+        # seen in a notebook, a 0.05 s cell whose prints never showed.
+        deadline = time.monotonic() + LAST_OUTPUT_WAIT_S
+        for p, ar in enumerate(ars):
+            if ar.ready() and p not in watch.dead and p not in watch.killed:
+                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
             ranks=self.ranks, world=self.world, ars=ars, watch=watch, wall=wall, reports={},
@@ -157,6 +171,12 @@ class Job:
         collect(outcome, self.specs, self.cluster)
         expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
         drain(self.stream, ars, expected)
+        if watch.reason in (None, "failure") and not watch.stalled:
+            # A collective with a timeout (TensorFlow's) fails when its peer finished the cell
+            # instead of waiting for it: failures.py tells that apart from a rank's own error.
+            failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
+            if failed:
+                watch.stalled = self._record(failed, {})
         outcome.history = self.stream.history
         outcome.meta = self.stream.meta[0]
         return outcome
@@ -281,14 +301,32 @@ class Job:
         been idle. Ranks that are not waiting (finished, or left out by ``--on``) drop their
         part of the group first (the stop branch of the watch loop does it), which fails the
         pending collectives; SIGINT follows only after the backend's release time."""
-        self.watch.stalled = {
-            "ranks": [self.ranks[p] for p in idle_for],
-            "steps": {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)},
-            "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
-            **({"all_idle": True} if all_idle else {}),
-        }
+        self.watch.stalled = self._record(pending, idle_for, all_idle=all_idle)
         # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
         self.watch.start("stalled", now if len(pending) < self.world else now - peer_grace)
+
+    def _record(
+        self, waiting: list[int], idle_for: dict[int, float], *, all_idle: bool = False
+    ) -> dict[str, Any]:
+        """Who stalled (``idle_for``), at which step, where the ``waiting`` positions wait,
+        and which ranks finished the cell meanwhile."""
+        steps = {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)}
+        return {
+            "ranks": [self.ranks[p] for p in idle_for],
+            "steps": steps,
+            "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
+            "framework": self.framework,
+            "release_s": self._release_s,  # how long a waiting rank takes to notice a lost peer
+            # Where each waiting rank's cell is (nbdist.engine.waiting), when it said.
+            "where": {self.ranks[p]: _where(self.ars[p]) for p in waiting},
+            # Ranks that finished the cell while others wait: they ran fewer steps.
+            "finished": [
+                self.ranks[p]
+                for p, ar in enumerate(self.ars)
+                if p not in waiting and ar.ready() and not _failed(ar)
+            ],
+            **({"all_idle": True} if all_idle else {}),
+        }
 
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
@@ -340,6 +378,13 @@ def states(ars: list[Any], watch: Watch) -> list[str]:
         else:
             out.append("done")
     return out
+
+
+def _where(ar: Any) -> dict[str, Any] | None:
+    try:
+        return ar.data.get(WHERE_KEY)
+    except Exception:  # the task's metadata could not be read: where it waits is unknown
+        return None
 
 
 def _failure_type(ar: Any) -> str | None:

@@ -300,3 +300,41 @@ def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
     assert len(seen["engine_netns"]) == 1 and mine not in seen["engine_netns"]
     assert seen["interfaces"] == [["lo"], ["lo"]]
     assert len(_interfaces(os.getpid())) > 1  # the notebook's namespace has real interfaces
+
+
+@pytest.mark.parametrize("flags", ["--stall 3", ""])
+def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(tf_ready, magics, flags):
+    """Caught by --stall 3, or (default --stall 60) by the collective's own 15 s timeout."""
+    from nbdist import RanksDisagree
+
+    cell = textwrap.dedent(
+        """
+        import tensorflow as tf
+
+        @tf.function
+        def total():
+            one = strategy.run(lambda: tf.constant(1.0))
+            return strategy.reduce("SUM", one, axis=None)
+
+        for step in range(3 if rank == 0 else 2):
+            log(step, loss=float(total()))
+        """
+    )
+    pids = [e.pid for e in magics.cluster.engines]
+    start = time.monotonic()
+    with pytest.raises(RanksDisagree) as info:
+        tf_ready.run_cell_magic("distrain", flags, cell)
+    elapsed = time.monotonic() - start
+    lead = "no progress for 3 s: " if flags else ""
+    assert str(info.value).splitlines()[0] == lead + (
+        "rank 1 finished the cell after 2 steps, while rank 0 waits at "
+        "step 1 (cell line 10: log(step, loss=float(total()))): a collective that rank 1 will "
+        "never join. The ranks ran different numbers of steps: give every worker the same number "
+        "of steps (the same steps_per_epoch, a dataset each worker reads the same number of "
+        "batches from). TensorFlow's collective timeout (15 s) freed rank 0: the engines are "
+        "the same."
+    )
+    assert elapsed < 15 + 5
+    assert [e.pid for e in magics.cluster.engines] == pids
+    tf_ready.run_cell_magic("distrain", "-o res", "strategy.num_replicas_in_sync\n")
+    assert tf_ready.user_ns["res"].values == [2, 2]

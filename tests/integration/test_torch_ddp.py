@@ -422,8 +422,14 @@ def test_stalled_rank_is_named_with_its_step(ready, magics):
         ready.run_cell_magic("distrain", "--stall 3", train_cell(epochs=100, hook=hook))
     assert time.monotonic() - start < 3 + 15
     message = str(info.value)
-    assert message.startswith("no progress for 3 s: rank 1 is stuck at step 9 (no progress for")
-    assert "rank 0 waits at step 10" in message
+    assert message.startswith(
+        "no progress for 3 s: rank 1 is stuck at step 9 (cell line 18: if rank == 1 and epoch * "
+        "len(loader) + step == 10: __import__('time').sleep(3600)) (no progress for"
+    )
+    assert (
+        "; rank 0 waits at step 10 in DDP's gradient all-reduce in backward() (cell line 21: "
+        "loss.backward()). Stopped ranks 0, 1." in message
+    )
     assert "Stopped ranks 0, 1" in message
     _engines_idle(magics, within=5)
     ready.run_cell_magic("distrain", "-o res", train_cell(epochs=1))

@@ -146,6 +146,127 @@ CASES = [
 ]
 
 
+# The rules about ranks that run different code, with the PyTorch DDP tutorial's own lines.
+CASES += [
+    (
+        "spawn-in-cell",
+        """
+        import torch.multiprocessing as mp
+        def demo_basic(rank, world_size):
+            setup(rank, world_size)
+        mp.spawn(demo_basic, args=(world_size,), nprocs=world_size, join=True)
+        """,
+        """
+        def demo_basic(rank, world_size):
+            setup(rank, world_size)
+        demo_basic(rank, world_size)
+        """,
+        5,
+    ),
+    (
+        "spawn-in-cell",
+        """
+        from torch.multiprocessing import start_processes
+        start_processes(train, nprocs=2, start_method="fork")
+        """,
+        "train(rank, world_size)\n",
+        3,
+    ),
+    (
+        "spawn-in-cell",
+        """
+        import multiprocessing
+        p = multiprocessing.Process(target=train, args=(0, 2))
+        p.start()
+        """,
+        "train(rank, world_size)\n",
+        3,
+    ),
+    (
+        "rank-as-gpu-index",
+        """
+        model = ToyModel().to(rank)
+        ddp_model = DDP(model, device_ids=[rank])
+        """,
+        """
+        model = ToyModel().to(device)
+        ddp_model = DDP(model)
+        """,
+        2,
+    ),
+    (
+        "rank-as-gpu-index",
+        'x = torch.ones(1, device=torch.device(f"cuda:{rank}"))\n',
+        "x = torch.ones(1, device=device)\n",
+        1,
+    ),
+    (
+        "rank-as-gpu-index",
+        "torch.cuda.set_device(dist.get_rank())\n",
+        "torch.cuda.set_device(local_rank)\n",
+        1,
+    ),
+    (
+        "uneven-slices",
+        """
+        xs, ys = X[rank::world_size], Y[rank::world_size]
+        for i in range(0, len(xs), 5):
+            loss = loss_fn(model(xs[i : i + 5]), ys[i : i + 5])
+            loss.backward()
+        """,
+        """
+        xs, ys = X[rank::world_size], Y[rank::world_size]
+        with Join([model]):
+            for i in range(0, len(xs), 5):
+                loss = loss_fn(model(xs[i : i + 5]), ys[i : i + 5])
+                loss.backward()
+        """,
+        3,
+    ),
+    (
+        "uneven-slices",
+        """
+        part = torch.chunk(data, world_size)[rank]
+        loader = DataLoader(TensorDataset(part), batch_size=8)
+        for (xb,) in loader:
+            dist.all_reduce(xb.sum())
+        """,
+        """
+        part = torch.chunk(data, world_size)[rank]
+        loader = DataLoader(TensorDataset(part), batch_size=8)
+        total = sum(xb.sum() for (xb,) in loader)
+        dist.all_reduce(total)
+        """,
+        4,
+    ),
+]
+
+
+def test_spawn_finding_names_the_function_to_call():
+    (finding,) = check_source("mp.spawn(demo_basic, args=(2,), nprocs=2)\n", CPU)
+    assert str(finding) == (
+        "nbdist check [spawn-in-cell] cell line 1: mp.spawn(...) starts worker processes from a "
+        "%%distrain cell: nbdist already runs one process per rank, and a function defined in a "
+        "cell cannot be pickled to new processes (PicklingError on every rank). Call "
+        "demo_basic(rank, world_size) directly (see notebooks/08_when_ranks_disagree.ipynb, "
+        "'One process per rank')."
+    )
+
+
+def test_distributed_checkpoint_save_on_every_rank_is_right():
+    assert (
+        rules("import torch.distributed.checkpoint as dcp\ndcp.save(state, checkpoint_id=d)\n")
+        == []
+    )
+    assert rules("torch.save(state, path)\n") == [("unguarded-save", 1)]
+
+
+def test_rank_as_gpu_index_names_what_it_saw():
+    (finding,) = check_source("m = DDP(m, device_ids=[rank])\n", CPU)
+    assert finding.message.startswith("device_ids=[rank] uses the global rank as a GPU index")
+    assert rules("m = DDP(m, device_ids=[local_rank])\nx.to(local_rank)\n") == []
+
+
 @pytest.mark.parametrize(("rule", "bad", "good", "line"), CASES, ids=[c[0] for c in CASES])
 def test_rule_fires_on_the_mistake_only(rule, bad, good, line):
     assert (rule, line) in rules(bad)
@@ -174,7 +295,8 @@ def _correct_cells():
         for i, cell in enumerate(nb.cells):
             if cell.cell_type == "code" and cell.source.startswith("%%distrain"):
                 first, body = cell.source.split("\n", 1)
-                if "--check-only" not in first:  # those show mistakes on purpose
+                # Those show mistakes on purpose (tutorial 08 runs an uneven loop to show the hang).
+                if "--check-only" not in first and "--no-check" not in first:
                     yield f"{path.name}#{i}", body
     from tests.integration import test_torch_ddp as t
 
@@ -202,4 +324,23 @@ def test_every_pointer_names_a_section_of_tutorial_04():
         if line.startswith("#")
     }
     assert len(sections) == 8
+    assert sections <= headings, sections - headings
+
+
+def test_every_pointer_to_tutorial_08_names_one_of_its_sections():
+    import re
+
+    from nbdist.kernel import checks
+
+    source = Path(checks.__file__).read_text()
+    sections = set(re.findall(r"see \{RANKS_TUTORIAL\}, '([^']+)'", source))
+    nb = nbformat.read(Path(__file__).parents[2] / checks.RANKS_TUTORIAL, as_version=4)
+    headings = {
+        line.lstrip("#").strip()
+        for cell in nb.cells
+        if cell.cell_type == "markdown"
+        for line in cell.source.splitlines()
+        if line.startswith("#")
+    }
+    assert sections == {"One process per rank", "Uneven inputs"}
     assert sections <= headings, sections - headings

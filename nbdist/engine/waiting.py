@@ -1,0 +1,78 @@
+"""Where a rank's cell is, told to the notebook while the cell runs.
+
+A rank blocked in a collective releases the GIL, so a thread can read the main thread's stack
+(``sys._current_frames``) while the engine itself cannot answer the notebook. Every
+``SAMPLE_S`` this module's thread looks at the cell's innermost line and the collective called
+from it, and publishes the place once it has stayed there for two samples: a rank that stalls
+has told the notebook where it waits (``"line 12: loss.backward()"``, "DDP's gradient
+all-reduce in backward()", ``"torch.distributed.barrier"``), and the notebook can tell a rank
+that waits for peers that finished from ranks that sit in different collectives.
+
+The value goes under one key, ``WHERE_KEY``: ``publish_data``'s latest-value semantics are
+right for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+WHERE_KEY = "nbdist~where"
+SAMPLE_S = 0.5
+
+# Functions that wait for every rank, by the file they live in: torch.distributed's collectives,
+# and autograd's engine, where DDP's gradient all-reduce runs (inside backward()).
+_C10D = "torch/distributed/distributed_c10d.py"
+_AUTOGRAD = "torch/autograd/"
+
+
+def place(frame: Any, filename: str) -> dict[str, Any] | None:
+    """The cell line the stack under ``frame`` is at, and the collective it waits in if any;
+    None when the cell's code is not on the stack (set-up, clean-up)."""
+    stack = traceback.extract_stack(frame)
+    cells = [i for i, f in enumerate(stack) if f.filename == filename]
+    if not cells:
+        return None
+    at = stack[cells[-1]]
+    inner = stack[cells[-1] + 1 :]
+    collective = None
+    c10d = [f for f in inner if f.filename.replace("\\", "/").endswith(_C10D)]
+    if c10d:
+        collective = f"torch.distributed.{c10d[-1].name}"
+    elif any(_AUTOGRAD in f.filename.replace("\\", "/") for f in inner):
+        collective = "DDP's gradient all-reduce in backward()"
+    return {"line": at.lineno, "line_text": (at.line or "").strip(), "collective": collective}
+
+
+class WhereReporter:
+    """Samples the thread that runs the cell and publishes where it stays."""
+
+    def __init__(self, publish: Callable[[dict[str, Any]], None], filename: str) -> None:
+        self._publish = publish
+        self._filename = filename
+        self._thread_id = threading.get_ident()  # the thread that runs the cell
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._sampler = threading.Thread(target=self._loop, name="nbdist-where", daemon=True)
+        self._sampler.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+
+    def _loop(self) -> None:
+        seen = published = None
+        while not self._stop.wait(SAMPLE_S):
+            frame = sys._current_frames().get(self._thread_id)
+            now = place(frame, self._filename) if frame is not None else None
+            del frame
+            if now is not None and now == seen and now != published:
+                self._publish({WHERE_KEY: now})
+                published = now
+            seen = now
