@@ -1,0 +1,158 @@
+"""The panel beyond PER_RANK_MAX ranks: ranks summarised (a band, rows per host), on synthetic
+streams with exact results; the running aggregates equal what the full history says."""
+
+import random
+import statistics
+
+from nbdist.engine.metrics import FLUSH_S, flush_interval
+from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
+from nbdist.kernel.display import LiveView, host_table_html, table_html
+from nbdist.kernel.figure import BAND_TITLE, Figure
+
+WORLD = 24
+HOSTS = [f"node{r // 8}" for r in range(WORLD)]  # node0: ranks 0-7, node1: 8-15, node2: 16-23
+
+
+def stream(world=WORLD, steps=40, dt=0.125, start=1000.0):
+    """Rank r: a step every ``dt`` (exact in binary), ``r + 1`` samples a step (so ``8 (r + 1)``
+    samples/s), loss ``1 + r / 100 + 1 / (step + 1)``, work 10 ms (rank 5: 30 ms)."""
+    return [
+        {"rank": r, "step": s, "time": start + (s + 1) * dt, "samples": r + 1,
+         "loss": 1 + r / 100 + 1 / (s + 1), "work": 0.03 if r == 5 else 0.01}
+        for s in range(steps)
+        for r in range(world)
+    ]  # fmt: skip
+
+
+def test_flush_interval_keeps_small_jobs_as_they_were_and_caps_the_message_rate():
+    assert [flush_interval(n) for n in (1, 8, 16, 100)] == [FLUSH_S] * 4
+    assert flush_interval(512) == 0.512
+    assert flush_interval(1024) == 1.024
+
+
+def test_bands_of_a_steady_stream_are_exact():
+    agg = Aggregate(WORLD, start=1000.0)
+    agg.add(stream())
+    t, mean, lo, hi, total = agg.bands.curve()
+    # Rates from each rank's second point (t = 1000.25) to its last (1005.0): bins 0 .. 10.
+    assert t == [(b + 1) * BAND_S for b in range(11)]
+    assert lo == [8.0] * 11 and hi == [8.0 * WORLD] * 11
+    assert mean == [8.0 * (WORLD + 1) / 2] * 11
+    assert total == [8.0 * WORLD * (WORLD + 1) / 2] * 11
+
+
+def test_a_bin_is_closed_once_every_rank_has_passed_it_and_later_points_still_count():
+    bands = RankBands(3, start=0.0)
+    bands.add(0, 0.1, 10.0)
+    bands.add(1, 0.2, 20.0)
+    bands.add(2, 0.3, 30.0)
+    bands.add(0, 1.1, 40.0)  # rank 0 in bin 2; ranks 1 and 2 still in bin 0
+    assert bands.curve() == ([0.5, 1.0, 1.5], [20.0] * 2 + [30.0], [10.0] * 2 + [20.0],
+                             [30.0, 30.0, 40.0], [60.0] * 2 + [90.0])  # fmt: skip
+    bands.add(1, 0.6, 50.0)  # arrives late, for bin 1 (not closed yet: rank 2 is in bin 0)
+    bands.add(2, 1.2, 60.0)
+    t, mean, lo, hi, total = bands.curve()
+    assert t == [0.5, 1.0, 1.5]
+    assert total == [60.0, 90.0, 150.0]
+    assert (lo, hi) == ([10.0, 10.0, 40.0], [30.0, 50.0, 60.0])
+
+
+def test_a_rank_that_never_counts_samples_does_not_hold_the_bands_back():
+    bands = RankBands(2, start=0.0)
+    bands.add(0, 0.1, 10.0)
+    bands.add(0, 5.1, 10.0)
+    t, _, _, _, total = bands.curve()
+    assert len(t) == 11 and total == [10.0] * 11
+
+
+def test_running_loss_statistics_equal_the_full_history_even_with_a_step_logged_twice():
+    rng = random.Random(1)
+    history = [
+        {"rank": r, "step": rng.randrange(30), "time": 0.0, "loss": rng.uniform(0.1, 5)}
+        for r in rng.choices(range(WORLD), k=2000)
+    ]
+    agg = Aggregate(WORLD)
+    for i in range(0, len(history), 37):
+        agg.add(history[: i + 37])
+    last: dict[int, dict[int, float]] = {}
+    for p in history:
+        last.setdefault(p["step"], {})[p["rank"]] = p["loss"]
+    steps = sorted(last)
+    assert agg.loss_curve() == (
+        steps,
+        [sum(last[s].values()) / len(last[s]) for s in steps],
+        [min(last[s].values()) for s in steps],
+        [max(last[s].values()) for s in steps],
+    )
+
+
+def test_stragglers_equal_the_median_of_the_others_for_every_rank():
+    rng = random.Random(2)
+    agg = Aggregate(40)
+    works = [rng.choice([0.010, 0.012, 0.02, 0.05]) for _ in range(40)]
+    agg.add([{"rank": r, "step": s, "time": 0.0, "work": works[r]}
+             for s in range(12) for r in range(40)])  # fmt: skip
+    expected = []
+    for r, mine in enumerate(works):
+        others = statistics.median(w for q, w in enumerate(works) if q != r)
+        if mine > 1.25 * others and mine - others > 0.001:
+            expected.append((r, mine / others))
+    assert agg.stragglers() == expected and expected
+
+
+def test_the_table_groups_ranks_by_host_beyond_the_per_rank_limit():
+    agg = Aggregate(WORLD, start=1000.0)
+    points = [p for p in stream() if not (p["rank"] == 9 and p["step"] > 20)]  # rank 9 behind
+    agg.add(points)
+    states = ["running"] * WORLD
+    states[17] = "failed"
+    html = table_html(agg, states, 1010.0, HOSTS)
+    assert html == host_table_html(agg, states, 1010.0, HOSTS)
+    head = "<th>host</th><th>ranks</th><th>state</th><th>step</th><th>loss</th>"
+    assert head in html and "<td>0</td><td>running</td>" not in html  # no row per rank
+    # node0: ranks 0-7 at step 39; losses 1 + r/100 + 1/40; 8 (r + 1) samples/s; rank 5: 30 ms.
+    assert (
+        "<tr><td>node0</td><td>8</td><td>8 running</td><td>39 / 39 / 39</td>"
+        "<td>1.025 / 1.06 / 1.095</td><td>8 / 36 / 64</td><td>10 / 10 / 30 ms</td>"
+        "<td>10.0 s</td><td></td></tr>"
+    ) in html
+    assert "<tr><td>node1</td><td>8</td><td>8 running</td><td>20 / 39 / 39</td>" in html
+    assert "<tr><td>node2</td><td>8</td><td>7 running, 1 failed</td><td>39 / 39 / 39</td>" in html
+    assert html.count("<tr>") == 4  # the head and one row per host
+    assert (
+        "slowest ranks (work/step): <b>rank 5 (node0) 30 ms (3.0× the others)</b>, "
+        "rank 0 (node0) 10 ms, rank 1 (node0) 10 ms, rank 2 (node0) 10 ms, rank 3 (node0) 10 ms"
+    ) in html
+
+
+def test_the_table_keeps_a_row_per_rank_up_to_the_limit():
+    agg = Aggregate(PER_RANK_MAX, start=1000.0)
+    agg.add(stream(PER_RANK_MAX))
+    html = table_html(agg, ["running"] * PER_RANK_MAX, 1010.0, HOSTS[:PER_RANK_MAX])
+    assert html.count("<tr>") == PER_RANK_MAX + 1 and "<th>host</th>" not in html
+
+
+def test_the_figure_draws_the_ranks_mean_in_a_band_and_the_total_in_the_title():
+    agg = Aggregate(WORLD, start=1000.0)
+    agg.add(stream())
+    fig = Figure(WORLD)
+    fig.draw(agg)
+    lines = fig.ax_rate.get_lines()
+    assert lines == [fig.total_line] and fig.ax_rate.get_legend() is None
+    assert list(fig.total_line.get_ydata()) == [100.0] * 11  # 8 x (1 + ... + 24) / 24
+    assert fig.ax_rate.get_title() == f"{BAND_TITLE}; total 2,400"
+    band = fig.rate_band.get_paths()[0].vertices[:, 1]
+    assert min(band) == 8.0 and max(band) == 192.0
+    fig.reset()
+    assert fig.rate_band is None and fig.ax_rate.get_title() == BAND_TITLE
+
+
+def test_the_live_view_passes_each_ranks_host_to_the_table(monkeypatch):
+    shown = []
+    live = LiveView(WORLD, plot=True, smoothing=1.0, hosts=HOSTS,
+                    display=lambda b, **kw: shown.append(b))  # fmt: skip
+    history = stream()
+    live.update(history, ["running"] * WORLD, force=True)
+    assert "<td>node2</td>" in live.dashboard.table.value
+    summary = live.finish(history, ["done"] * WORLD, wall=5.0, framework="torch")
+    assert "24 workers (torch)" in summary and "rank 5 keeps the others waiting" in summary
