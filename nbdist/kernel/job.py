@@ -101,9 +101,8 @@ class Job:
         self.live = live
         self.world = world  # ranks in the group: --on runs a job on some of them
         self.framework = specs[0].framework
-        visible = [opts.ranks is None or r in opts.ranks for r in self.ranks]
         noise = getattr(backends.load(self.framework), "OUTPUT_NOISE", None)
-        self.outputs = OutputRelay(visible, out, err, labels=self.ranks, noise=noise)
+        self.outputs = OutputRelay.for_job(self.ranks, opts, out, err, noise=noise)
         self.stream = MetricsStream(len(specs))
         self.watch = Watch()
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult

@@ -1,13 +1,17 @@
 """The panel beyond PER_RANK_MAX ranks: ranks summarised (a band, rows per host), on synthetic
 streams with exact results; the running aggregates equal what the full history says."""
 
+import io
 import random
 import statistics
+from types import SimpleNamespace
 
 from nbdist.engine.metrics import FLUSH_S, flush_interval
 from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
 from nbdist.kernel.display import LiveView, host_table_html, table_html
 from nbdist.kernel.figure import BAND_TITLE, Figure
+from nbdist.kernel.options import RunOptions, parse_run_options
+from nbdist.kernel.relay import OutputRelay
 
 WORLD = 24
 HOSTS = [f"node{r // 8}" for r in range(WORLD)]  # node0: ranks 0-7, node1: 8-15, node2: 16-23
@@ -156,3 +160,47 @@ def test_the_live_view_passes_each_ranks_host_to_the_table(monkeypatch):
     assert "<td>node2</td>" in live.dashboard.table.value
     summary = live.finish(history, ["done"] * WORLD, wall=5.0, framework="torch")
     assert "24 workers (torch)" in summary and "rank 5 keeps the others waiting" in summary
+
+
+def _tasks(texts):
+    return [SimpleNamespace(stdout=t, stderr="") for t in texts]
+
+
+def test_beyond_the_limit_rank_0_is_shown_and_the_others_lines_counted():
+    out = io.StringIO()
+    relay = OutputRelay.for_job(list(range(20)), RunOptions(), out, io.StringIO())
+    texts = ["a\nb\n"] + [f"x{r}\n" * (r % 4) for r in range(1, 20)]
+    texts[19] += "unfinished"  # a last line without its newline counts too
+    relay.pump(_tasks(texts))
+    relay.pump(_tasks(texts), final=True)
+    # ranks 1..19 print r % 4 lines: 1,2,3,0 repeating (1..16 -> 4 x 6 = 24, 17..19: 1+2+3),
+    # rank 19 one more.
+    assert out.getvalue() == (
+        "[rank 0] a\n[rank 0] b\n"
+        "nbdist: 19 other ranks printed 31 lines, not shown here (shown: rank 0); per rank "
+        "0 / 2 / 4 (min / median / max), most: rank 19 4, rank 3 3, rank 7 3. `--ranks all` "
+        "shows every rank's lines, `--ranks 3,5` some; all are kept in the result (`-o res`, "
+        "then `res.stdout[rank]`).\n"
+    )
+
+
+def test_ranks_all_shows_every_rank_and_small_jobs_are_as_before():
+    for world, opts in ((20, parse_run_options("--ranks all")), (PER_RANK_MAX, RunOptions())):
+        out = io.StringIO()
+        relay = OutputRelay.for_job(list(range(world)), opts, out, io.StringIO())
+        texts = [f"r{r}\n" for r in range(world)]
+        relay.pump(_tasks(texts), final=True)
+        assert out.getvalue() == "".join(f"[rank {r}] r{r}\n" for r in range(world))
+
+
+def test_chosen_ranks_at_scale_are_shown_without_a_note():
+    out = io.StringIO()
+    relay = OutputRelay.for_job(list(range(20)), parse_run_options("--ranks 2,5"), out, out)
+    relay.pump(_tasks([f"r{r}\n" for r in range(20)]), final=True)
+    assert out.getvalue() == "[rank 2] r2\n[rank 5] r5\n"
+
+
+def test_ranks_all_parses():
+    opts = parse_run_options("--ranks all")
+    assert (opts.ranks, opts.all_output) == (None, True)
+    assert parse_run_options("--ranks 0,3") == RunOptions(ranks=(0, 3))
