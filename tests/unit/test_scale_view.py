@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from nbdist.engine.metrics import FLUSH_S, flush_interval
 from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
 from nbdist.kernel.display import LiveView, host_table_html, table_html
+from nbdist.kernel.engines import EngineInfo, status_text
 from nbdist.kernel.figure import BAND_TITLE, Figure
 from nbdist.kernel.options import RunOptions, parse_run_options
 from nbdist.kernel.relay import OutputRelay
@@ -204,3 +205,19 @@ def test_ranks_all_parses():
     opts = parse_run_options("--ranks all")
     assert (opts.ranks, opts.all_output) == (None, True)
     assert parse_run_options("--ranks 0,3") == RunOptions(ranks=(0, 3))
+
+
+def test_status_groups_engines_by_host_beyond_the_limit():
+    engines = [
+        EngineInfo(rank=r, engine_id=100 + r, host=f"n{r // 10}", address=f"10.0.0.{r // 10}",
+                   pid=1000 + r, gpu=str(r % 10), cpus=4, local_rank=r % 10, local_world_size=10)
+        for r in range(20)
+    ]  # fmt: skip
+    busy = {r: 1 for r in (0, 1, 2, 3, 7, 12, 13)}
+    assert status_text(engines, source="connected", busy=busy, warm={"torch"}).splitlines() == [
+        "nbdist: 20 workers on 2 hosts, connected",
+        "  n0 (10.0.0.0): 10 engines, ranks 0-9, GPUs 0,1,2,3,4,5,6,7,8,9, 5 busy, 5 idle",
+        "  n1 (10.0.0.1): 10 engines, ranks 10-19, GPUs 0,1,2,3,4,5,6,7,8,9, 2 busy, 8 idle",
+        "busy ranks: 0-3, 7, 12-13",
+        "frameworks loaded: torch",
+    ]
