@@ -4,9 +4,11 @@ streams with exact results; the running aggregates equal what the full history s
 import io
 import random
 import statistics
+from dataclasses import replace
 from types import SimpleNamespace
 
 from nbdist.engine.metrics import FLUSH_S, flush_interval
+from nbdist.errors import RankFailure, WorkerError
 from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
 from nbdist.kernel.display import LiveView, host_table_html, table_html
 from nbdist.kernel.engines import EngineInfo, status_text
@@ -221,3 +223,38 @@ def test_status_groups_engines_by_host_beyond_the_limit():
         "busy ranks: 0-3, 7, 12-13",
         "frameworks loaded: torch",
     ]
+
+
+def _failure(rank, message, time_=1.0):
+    return RankFailure(rank=rank, host=f"n{rank // 8}", exc_type="ValueError", message=message,
+                       traceback=f"Traceback ...\nValueError: {message}\n", line=3,
+                       line_text="raise ValueError(...)", time=time_)  # fmt: skip
+
+
+def test_512_identical_failures_are_one_message_with_one_traceback():
+    err = WorkerError([_failure(r, "bad batch") for r in range(512)])
+    assert str(err) == (
+        "512 ranks 0-511 (host n0, n1, n10, ... 64 hosts) raised ValueError: bad batch\n"
+        "  at cell line 3: raise ValueError(...)"
+    )
+    shown = err._render_traceback_()
+    assert shown.count("--- remote traceback, 512 ranks 0-511 ---") == 1 and len(shown) == 8
+
+
+def test_512_different_failures_show_three_and_count_the_rest():
+    failures = [_failure(r, f"bad value {r}") for r in range(512)]
+    failures[7] = replace(failures[7], exc_type="KeyError")
+    err = WorkerError(failures)
+    lines = str(err).splitlines()
+    assert lines == [
+        "rank 0 (host n0) raised ValueError: bad value 0",
+        "  at cell line 3: raise ValueError(...)",
+        "rank 1 (host n0) raised ValueError: bad value 1",
+        "  at cell line 3: raise ValueError(...)",
+        "rank 2 (host n0) raised ValueError: bad value 2",
+        "  at cell line 3: raise ValueError(...)",
+        "... and 509 more different failures on 509 ranks 3-511 (ValueError ×508, KeyError ×1); "
+        "each is in the error's .failures (sys.last_value.failures after the cell)",
+    ]
+    assert len(err.failures) == 512
+    assert sum(ln.startswith("--- remote traceback") for ln in err._render_traceback_()) == 3
