@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
 from nbdist.kernel.curves import PER_RANK_MAX
@@ -85,11 +85,16 @@ class OutputRelay:
             "some; all are kept in the result (`-o res`, then `res.stdout[rank]`)."
         )
 
-    def pump(self, ars: list[Any], final: bool = False) -> None:
+    def pump(
+        self, ars: list[Any], final: bool = False, positions: Iterable[int] | None = None
+    ) -> None:
+        """Take in the new lines of the tasks at ``positions`` (all by default, and at the end)."""
         now = time.monotonic()
+        due = range(len(ars)) if final or positions is None else list(positions)
         for name, sink in self._sinks.items():
             held = self._held[name]
-            for rank, ar in enumerate(ars):
+            for rank in due:
+                ar = ars[rank]
                 text = getattr(ar, name) or ""
                 seen = self._seen[name]
                 new, seen[rank] = text[seen[rank] :], len(text)

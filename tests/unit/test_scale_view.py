@@ -13,6 +13,7 @@ from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
 from nbdist.kernel.display import LiveView, host_table_html, table_html
 from nbdist.kernel.engines import EngineInfo, status_text
 from nbdist.kernel.figure import BAND_TITLE, Figure
+from nbdist.kernel.metrics import Rounds
 from nbdist.kernel.options import RunOptions, parse_run_options
 from nbdist.kernel.relay import OutputRelay
 
@@ -258,3 +259,13 @@ def test_512_different_failures_show_three_and_count_the_rest():
     ]
     assert len(err.failures) == 512
     assert sum(ln.startswith("--- remote traceback") for ln in err._render_traceback_()) == 3
+
+
+def test_rounds_read_every_rank_each_pump_up_to_16_then_once_per_flush():
+    small = Rounds(PER_RANK_MAX, 0.05)
+    assert [list(small.next()) for _ in range(2)] == [list(range(PER_RANK_MAX))] * 2
+    big = Rounds(512, 0.05)  # a message every 0.512 s per rank: read every 10 pumps
+    pumps = [list(big.next()) for _ in range(10)]
+    assert pumps[0][:3] == [0, 10, 20] and pumps[9][:2] == [9, 19]
+    assert sorted(p for pump in pumps for p in pump) == list(range(512))  # each once
+    assert list(big.next()) == pumps[0]
