@@ -301,6 +301,36 @@ def read_cost(view: Any, reads: int = 3000) -> float:
     return took
 
 
+def startup(n: int) -> dict[str, Any]:
+    """Seconds to start a controller with nbdist's settings and register ``n`` plain engines
+    (no torch preloaded), and to stop them."""
+    import logging
+
+    import ipyparallel as ipp
+
+    from nbdist.kernel.cluster import HEARTBEAT_MS
+
+    t = time.perf_counter()
+    cluster = ipp.Cluster(
+        n=n,
+        controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
+                         f"--HeartMonitor.max_heartmonitor_misses={10_000 // HEARTBEAT_MS}"],
+        log_level=logging.ERROR,
+        load_profile=False,
+    )  # fmt: skip
+    rc = cluster.start_and_connect_sync()
+    rc.wait_for_engines(n, timeout=300)
+    up = time.perf_counter() - t
+    t = time.perf_counter()
+    rc[:].apply_sync(int, 1)  # one task on every engine
+    task = time.perf_counter() - t
+    t = time.perf_counter()
+    rc.close()
+    cluster.stop_cluster_sync()
+    return {"engines": n, "register_s": up, "first_task_all_s": task,
+            "stop_s": time.perf_counter() - t}  # fmt: skip
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
@@ -331,7 +361,8 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("transport"):
         lines += [
             "",
-            "Real transport: the same messages from 2 real engines through `publish_data`:",
+            "Real transport: the same messages from 2 real engines through `publish_data` (the "
+            "rows at 256+ ranks with a 0.1 s flush: every rank at `FLUSH_S`, as before the cap):",
             "",
             "| ranks | flush | messages/s | points/s | received / sent | lag p50 / max | "
             "kernel CPU |",
@@ -359,7 +390,29 @@ def markdown(result: dict[str, Any]) -> str:
             + " (computed from that time and the reads the loop above made; the simulated "
             "tasks' own reads cost almost nothing).",
         ]
+    if result.get("startup"):
+        lines += [
+            "",
+            "Startup: a controller with nbdist's heartbeat (0.5 s) and N plain engines (no torch "
+            "preloaded) on this machine:",
+            "",
+            "| engines | controller + all registered | one task on every engine | stop |",
+            "|---|---|---|---|",
+        ]
+        for r in result["startup"]:
+            lines.append(
+                f"| {r['engines']} | {r['register_s']:.1f} s | {r['first_task_all_s']:.2f} s | "
+                f"{r['stop_s']:.1f} s |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _write(result: dict[str, Any]) -> str:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "scale.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(result)
+    (OUT / "scale.md").write_text(md)
+    return md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--ranks", default="8,64,256,512,1024")
     p.add_argument("--no-transport", action="store_true")
+    p.add_argument("--startup", default="8,16,32", help="engine counts to start ('' for none)")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.ranks.split(",")]
 
@@ -400,12 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         "kernel": kernel,
         "transport": transport,
         "task_read_s": read_s if transport else None,
+        "startup": [],
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "scale.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = markdown(result)
-    (OUT / "scale.md").write_text(md)
-    sys.stdout.write(md)
+    _write(result)  # what is measured so far, should the startups fail
+    for n in [int(x) for x in args.startup.split(",") if x]:
+        result["startup"].append(startup(n))
+        sys.stderr.write(f"startup {n}: {json.dumps(result['startup'][-1])}\n")
+    sys.stdout.write(_write(result))
     return 0
 
 
