@@ -53,3 +53,5 @@ def test_status_groups_by_host(many, capsys):
     assert lines[1].endswith(f"ranks 0-{WORLD - 1}, GPUs none, 0 busy, {WORLD} idle")
     assert "busy ranks: none" in lines
     assert not any(line.startswith("   0 ") for line in lines)  # no line per rank
+    assert "memory per host (min / median / max over its ranks):" in lines
+    assert any(line.startswith(f"  {lines[1].split()[0]}: {WORLD} ranks, ") for line in lines)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from nbdist.engine.metrics import FLUSH_S, flush_interval
 from nbdist.errors import RankFailure, WorkerError
+from nbdist.kernel.commands import host_memory_lines
 from nbdist.kernel.curves import BAND_S, PER_RANK_MAX, Aggregate, RankBands
 from nbdist.kernel.display import LiveView, host_table_html, table_html
 from nbdist.kernel.engines import EngineInfo, status_text
@@ -269,3 +270,15 @@ def test_rounds_read_every_rank_each_pump_up_to_16_then_once_per_flush():
     assert pumps[0][:3] == [0, 10, 20] and pumps[9][:2] == [9, 19]
     assert sorted(p for pump in pumps for p in pump) == list(range(512))  # each once
     assert list(big.next()) == pumps[0]
+
+
+def test_status_memory_beyond_the_limit_is_per_host():
+    reports = [{"rss": (100 + r) * 2**20, "gpu": None, "variables": r % 3} for r in range(20)]
+    hosts = ["a"] * 10 + ["b"] * 10
+    assert host_memory_lines(reports, hosts) == [
+        "memory per host (min / median / max over its ranks):",
+        "  a: 10 ranks, 100 MB / 104 MB / 109 MB, variables 0 / 1 / 2",
+        "  b: 10 ranks, 110 MB / 114 MB / 119 MB, variables 0 / 1 / 2",
+        "most memory: rank 19 119 MB, rank 18 118 MB, rank 17 117 MB, rank 16 116 MB, "
+        "rank 15 115 MB",
+    ]
