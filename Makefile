@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nbdist-installed
 
-.PHONY: demo notebooks test lint bench gpu-wheels clean
+.PHONY: demo notebooks test lint bench bench-scale gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/session_cell.py
 	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
+
+# The kernel's side at 8..1024 ranks (simulated ranks, plus 2 real engines for the transport):
+# build/bench/scale.{json,md}, about 2 minutes.
+bench-scale: $(STAMP)
+	$(PY) benchmarks/scale.py
 
 # The wheels a bare, offline GPU machine needs beyond what it has (Python 3.12, CUDA torch, pytest,
 # matplotlib, psutil, accelerate): into .whl/ (git-ignored) for scripts/device_check.sh; pinned to

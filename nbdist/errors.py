@@ -140,8 +140,27 @@ def classify(failures: list[RankFailure]) -> list[RankFailure]:
     return out
 
 
+MANY_RANKS = 16  # beyond this many, ranks are written as spans (0-255, 300) and
+SHOWN_GROUPS = 3  # ...at most this many different failures are shown in full
+
+
 def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > MANY_RANKS:
+        return f"{len(ranks)} ranks " + _spans(sorted(ranks))
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _spans(ranks: list[int]) -> str:
+    """``0-3, 7`` for ranks 0, 1, 2, 3, 7 (sorted)."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:]:
+        if r != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = r
+        prev = r
+    out.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(out)
 
 
 class WorkerError(DistrainError):
@@ -175,17 +194,31 @@ class WorkerError(DistrainError):
 
     def _message(self) -> str:
         parts = []
-        for members, f in self._groups():
+        groups = self._groups()
+        for members, f in groups[:SHOWN_GROUPS]:
             hosts = sorted({m.host for m in members})
+            if len(hosts) > SHOWN_GROUPS:
+                hosts = [*hosts[:SHOWN_GROUPS], f"... {len(hosts)} hosts"]
             where = f"{_ranks_text([m.rank for m in members])} (host {', '.join(hosts)})"
             parts.append(f"{where} raised {f.headline}")
             if f.line is not None:
                 parts.append(f"  at cell line {f.line}: {f.line_text.strip()}")
+        rest = groups[SHOWN_GROUPS:]
+        if rest:  # hundreds of ranks failing each their own way: counted, not all printed
+            ranks = [m.rank for members, _ in rest for m in members]
+            types: dict[str, int] = {}
+            for members, f in rest:
+                types[f.exc_type] = types.get(f.exc_type, 0) + len(members)
+            kinds = ", ".join(f"{t} ×{n}" for t, n in types.items())
+            parts.append(
+                f"... and {len(rest)} more different failures on {_ranks_text(ranks)} ({kinds}); "
+                "each is in the error's .failures (sys.last_value.failures after the cell)"
+            )
         return "\n".join(parts) if parts else "the job failed"
 
     def _render_traceback_(self) -> list[str]:
         lines = [*f"WorkerError: {self._message()}".splitlines(), ""]
-        for members, f in self._groups():
+        for members, f in self._groups()[:SHOWN_GROUPS]:
             lines.append(f"--- remote traceback, {_ranks_text([m.rank for m in members])} ---")
             lines.extend(f.traceback.rstrip("\n").splitlines())
             lines.append("")

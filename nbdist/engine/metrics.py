@@ -4,8 +4,9 @@ ipyparallel's ``publish_data`` merges dicts on the client, keeping only the late
 key (``shared/NOTES.md``), so a reader polling one key would drop points. Each message here
 goes under its own key, ``nbdist-<seq>``, with ``seq`` counting messages 0, 1, 2, ... per rank;
 the notebook side pops keys in order (bounded memory there) and detects any gap. Points are
-batched: a message goes out when ``FLUSH_S`` has passed since the last one or ``MAX_BATCH``
-points are waiting (bounded memory here), and once more when the run ends.
+batched: a message goes out when ``FLUSH_S`` has passed since the last one (longer on many
+ranks: ``flush_interval``) or ``MAX_BATCH`` points are waiting (bounded memory here), and once
+more when the run ends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ KEY_PREFIX = "nbdist-"
 META_KEY = "nbdist~meta"  # latest-value semantics are right for it: totals, batch sizes
 FLUSH_S = 0.1
 MAX_BATCH = 1000
+# All ranks together send at most about this many messages a second: the notebook reads each
+# one (ipyparallel's data channel carried ~3,900 messages/s on a 2-core machine, and the kernel
+# has the panel to draw as well). Beyond 100 ranks a rank batches longer than FLUSH_S.
+MAX_MESSAGES_PER_S = 1000
+
+
+def flush_interval(world: int) -> float:
+    """Seconds between one rank's metric messages in a run on ``world`` ranks: ``FLUSH_S`` up
+    to 100 ranks, then longer, so that all of them send ``MAX_MESSAGES_PER_S`` together."""
+    return max(FLUSH_S, world / MAX_MESSAGES_PER_S)
+
 
 Point = tuple[int, float, dict[str, Any]]  # (step, unix time, {metric: value})
 
@@ -44,8 +56,10 @@ class Recorder:
         *,
         autolog: bool = True,
         total_steps: int | None = None,
+        flush_s: float = FLUSH_S,
     ) -> None:
         self._publish = publish
+        self.flush_s = flush_s
         self.autolog = autolog
         self.total_steps = total_steps
         self.messages = 0
@@ -60,7 +74,7 @@ class Recorder:
         self._flusher: threading.Thread | None = None
 
     def start(self) -> None:
-        """Flush every ``FLUSH_S`` from a thread too, so the last points before a rank blocks
+        """Flush every ``flush_s`` from a thread too, so the last points before a rank blocks
         (in a collective, a sleep) reach the notebook instead of waiting for the next log."""
         self._flusher = threading.Thread(
             target=self._flush_loop, name="nbdist-metrics", daemon=True
@@ -75,8 +89,8 @@ class Recorder:
         self.flush()
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(FLUSH_S):
-            if time.monotonic() - self._last_flush >= FLUSH_S:
+        while not self._stop.wait(self.flush_s):
+            if time.monotonic() - self._last_flush >= self.flush_s:
                 self.flush()
 
     def log(self, step: int | None = None, **metrics: Any) -> None:
@@ -117,7 +131,10 @@ class Recorder:
             self._pending = {}
         with self._lock:
             self._buffer.append((step, time.time(), metrics))
-            due = len(self._buffer) >= MAX_BATCH or time.monotonic() - self._last_flush >= FLUSH_S
+            due = (
+                len(self._buffer) >= MAX_BATCH
+                or time.monotonic() - self._last_flush >= self.flush_s
+            )
         if due:
             self.flush()
 

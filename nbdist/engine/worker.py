@@ -32,7 +32,7 @@ from typing import Any
 from nbdist.engine import backends
 from nbdist.engine.env import patch_environment
 from nbdist.engine.hardware import engine_info
-from nbdist.engine.metrics import Recorder
+from nbdist.engine.metrics import Recorder, flush_interval
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import engine_state
@@ -165,7 +165,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
     failure = None
     publish = _publisher()
-    recorder = Recorder(publish, autolog=spec.autolog)
+    recorder = Recorder(publish, autolog=spec.autolog, flush_s=flush_interval(spec.world_size))
     recorder.start()
     where = WhereReporter(publish, spec.filename)
     where.start()

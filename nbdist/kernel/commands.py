@@ -9,6 +9,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from nbdist.engine import session_ops
+from nbdist.kernel.curves import PER_RANK_MAX
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
@@ -48,6 +49,9 @@ def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
 def _remote_message(e: Exception) -> str:
     ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
     return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
+
+
+MOST_MEMORY = 5  # ranks named beyond PER_RANK_MAX ranks
 
 
 def _mb(n: int | None) -> str:
@@ -126,7 +130,29 @@ def status_lines(session: Session) -> list[str]:
         reports = _on_all(session, "status", session_ops.memory)
     except UsageError as e:  # a busy or dead engine: status still shows the rest
         return [f"memory: not available ({e})"]
+    if len(reports) > PER_RANK_MAX:
+        return host_memory_lines(reports, [e.host for e in session.cluster.engines])
     return memory_lines(reports)
+
+
+def host_memory_lines(reports: list[dict[str, Any]], hosts: list[str]) -> list[str]:
+    """``%distrain status`` beyond ``PER_RANK_MAX`` ranks: memory and variables per host
+    (min / median / max over its ranks), then the ranks using the most memory."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts[: len(reports)]):
+        groups.setdefault(host, []).append(rank)
+    lines = ["memory per host (min / median / max over its ranks):"]
+    for host, ranks in groups.items():
+        rss = sorted(reports[r]["rss"] for r in ranks)
+        var = sorted(reports[r]["variables"] for r in ranks)
+        mid = (len(ranks) - 1) // 2
+        lines.append(
+            f"  {host}: {len(ranks)} ranks, {_mb(rss[0])} / {_mb(rss[mid])} / {_mb(rss[-1])}, "
+            f"variables {var[0]} / {var[mid]} / {var[-1]}"
+        )
+    most = sorted(range(len(reports)), key=lambda r: (-reports[r]["rss"], r))[:MOST_MEMORY]
+    lines.append("most memory: " + ", ".join(f"rank {r} {_mb(reports[r]['rss'])}" for r in most))
+    return lines
 
 
 def memory_lines(reports: list[dict[str, Any]]) -> list[str]:

@@ -27,6 +27,10 @@ MIN_WORK_STEPS = 10  # steps measured before a rank's working time is shown or c
 WORK_WINDOW = 200  # steps: the working time per step is a median over the most recent ones
 LOG_DECADES = 2.0  # the loss axis turns logarithmic when the loss spans more than this
 TOO_SHORT = "too short to measure throughput"
+# Beyond this many ranks the panel summarises them (a line or table row each is unreadable, and
+# at 512 ranks its legend alone took seconds to draw): mean and min–max band, rows per host.
+PER_RANK_MAX = 16
+BAND_S = 0.5  # ...and the ranks' samples/s are summarised at instants this far apart
 
 
 class RankRate:
@@ -97,12 +101,47 @@ class Aggregate:
     offset: int | None = None  # this cell's steps + offset = the session's steps
     total_steps: int | None = None
     seen: int = 0
+    # step -> [sum, count, min, max] of the ranks' losses, kept as points arrive: a redraw on
+    # 512 ranks would otherwise go over every rank's loss at every step.
+    _loss_stats: dict[int, list[float]] = field(init=False)
+    _steps: list[int] = field(init=False)  # sorted
+    _work_cache: tuple[int, dict[int, float | None]] = field(init=False)
+    bands: RankBands | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.step_base = self.earlier[-1].steps[-1] + 1 if self.earlier else 0
         self.rates = [RankRate() for _ in range(self.world)]
         self.work = [[] for _ in range(self.world)]
         self.last = [{} for _ in range(self.world)]
+        self._loss_stats = {}
+        self._steps = []
+        self._work_cache = (-1, {})
+        self.bands = RankBands(self.world, self.start) if self.world > PER_RANK_MAX else None
+
+    def _add_loss(self, step: int, rank: int, value: float) -> None:
+        at = self.loss.get(step)
+        if at is None:
+            at = self.loss[step] = {}
+            if self._steps and step < self._steps[-1]:
+                bisect.insort(self._steps, step)
+            else:
+                self._steps.append(step)
+        if rank in at:  # a rank logged this step again: its new value replaces the old one
+            at[rank] = value
+            v = list(at.values())
+            self._loss_stats[step] = [sum(v), len(v), min(v), max(v)]
+            return
+        at[rank] = value
+        st = self._loss_stats.get(step)
+        if st is None:
+            self._loss_stats[step] = [value, 1, value, value]
+        else:
+            st[0] += value
+            st[1] += 1
+            if value < st[2]:
+                st[2] = value
+            if value > st[3]:
+                st[3] = value
 
     def add(self, history: Sequence[dict[str, Any]]) -> None:
         """Take in the points of ``history`` not seen yet."""
@@ -111,9 +150,13 @@ class Aggregate:
             if "loss" in point:
                 if self.offset is None:
                     self.offset = max(0, self.step_base - point["step"])
-                self.loss.setdefault(point["step"] + self.offset, {})[rank] = float(point["loss"])
+                self._add_loss(point["step"] + self.offset, rank, float(point["loss"]))
             if "samples" in point:
-                self.rates[rank].add(point["time"], float(point["samples"]))
+                rr = self.rates[rank]
+                n = len(rr.rates)
+                rr.add(point["time"], float(point["samples"]))
+                if self.bands is not None and len(rr.rates) > n:
+                    self.bands.add(rank, rr.rate_times[-1], rr.rates[-1])
             if "work" in point:
                 self.work[rank].append(float(point["work"]))
             self.last[rank] = {**self.last[rank], **point}
@@ -121,13 +164,13 @@ class Aggregate:
 
     def loss_curve(self) -> tuple[list[int], list[float], list[float], list[float]]:
         """Steps (the session's), and the mean, min and max of the ranks' losses at each."""
-        steps = sorted(self.loss)
-        values = [list(self.loss[s].values()) for s in steps]
+        steps = list(self._steps)
+        stats = [self._loss_stats[s] for s in steps]
         return (
             steps,
-            [sum(v) / len(v) for v in values],
-            [min(v) for v in values],
-            [max(v) for v in values],
+            [st[0] / st[1] for st in stats],
+            [st[2] for st in stats],
+            [st[3] for st in stats],
         )
 
     def rate(self, rank: int) -> float | None:
@@ -165,8 +208,14 @@ class Aggregate:
 
     def work_per_step(self, rank: int) -> float | None:
         """Median seconds ``rank`` works (not waiting for the others) per step, recently."""
-        work = self.work[rank][-WORK_WINDOW:]
-        return statistics.median(work) if len(work) >= MIN_WORK_STEPS else None
+        seen, cache = self._work_cache
+        if seen != self.seen:  # one median per rank per batch of points, however often asked
+            cache = {}
+            self._work_cache = (self.seen, cache)
+        if rank not in cache:
+            work = self.work[rank][-WORK_WINDOW:]
+            cache[rank] = statistics.median(work) if len(work) >= MIN_WORK_STEPS else None
+        return cache[rank]
 
     def stragglers(self) -> list[tuple[int, float]]:
         """``(rank, ratio)`` for each rank working more than ``STRAGGLER_RATIO`` times (and
@@ -175,9 +224,10 @@ class Aggregate:
         work = {r: w for r in range(self.world) if (w := self.work_per_step(r)) is not None}
         if len(work) < 2:
             return []
+        ordered = sorted(work.values())  # the others' median from one sort, not one per rank
         out = []
         for rank, mine in work.items():
-            others = statistics.median(w for r, w in work.items() if r != rank)
+            others = _median_without(ordered, mine)
             if others > 0 and mine > STRAGGLER_RATIO * others and mine - others > STRAGGLER_MIN_S:
                 out.append((rank, mine / others))
         return out
@@ -218,6 +268,77 @@ class Aggregate:
         """This cell's loss curve, for the next cell of the session to continue."""
         steps, mean, _, _ = self.loss_curve()
         return Segment(steps, mean) if steps else None
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of ``ordered`` (sorted) with one occurrence of ``value`` left out."""
+    i = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    if m % 2:
+        return at(m // 2)
+    return (at(m // 2 - 1) + at(m // 2)) / 2
+
+
+class RankBands:
+    """The ranks' samples/s every ``BAND_S`` seconds of the run: mean, min, max and total over
+    the ranks, each rank counted at its latest rate (for runs of more than ``PER_RANK_MAX``
+    ranks, drawn as a band instead of a line per rank).
+
+    An instant is summarised once every rank that counts samples has a rate after it (points
+    arrive in batches, in any order across ranks), and never again: a redraw costs the
+    instants still open times the ranks, not the whole run times the ranks.
+    """
+
+    def __init__(self, world: int, start: float) -> None:
+        self.world, self.start = world, start
+        self.newest = [-1] * world  # each rank's newest bin
+        self._open: dict[int, dict[int, float]] = {}  # bin -> rank -> its last rate in the bin
+        self._carry: list[float | None] = [None] * world  # each rank's rate at the closed bins' end
+        self._closed: list[tuple[float, float, float, float, float]] = []
+        self._next = 0  # the first bin not closed
+
+    def add(self, rank: int, t: float, rate: float) -> None:
+        b = max(0, int((t - self.start) // BAND_S))
+        self._open.setdefault(b, {})[rank] = rate
+        if b > self.newest[rank]:
+            self.newest[rank] = b
+
+    @staticmethod
+    def _stats(b: int, carry: list[float | None]) -> tuple[float, float, float, float, float]:
+        values = [c for c in carry if c is not None]
+        total = sum(values)
+        return ((b + 1) * BAND_S, total / len(values), min(values), max(values), total)
+
+    def _fold(self, b: int, carry: list[float | None]) -> None:
+        for rank, rate in self._open.get(b, {}).items():
+            carry[rank] = rate
+
+    def curve(self) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+        """Seconds since the start, and the ranks' mean, min, max and total samples/s there."""
+        counting = [b for b in self.newest if b >= 0]
+        if not counting:
+            return [], [], [], [], []
+        closed_to, last = min(counting), max(counting)
+        while self._next < closed_to:
+            self._fold(self._next, self._carry)
+            self._open.pop(self._next, None)
+            if any(c is not None for c in self._carry):
+                self._closed.append(self._stats(self._next, self._carry))
+            self._next += 1
+        rows = list(self._closed)
+        carry = list(self._carry)
+        for b in range(self._next, last + 1):
+            self._fold(b, carry)
+            if any(c is not None for c in carry):
+                rows.append(self._stats(b, carry))
+        if not rows:
+            return [], [], [], [], []
+        t, mean, lo, hi, total = (list(col) for col in zip(*rows, strict=True))
+        return t, mean, lo, hi, total
 
 
 def _interp(t: float, xs: list[float], ys: list[float]) -> float:

@@ -12,13 +12,14 @@ ipywidgets and matplotlib are imported only when needed.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.kernel.curves import Aggregate, Segment
+from nbdist.kernel.curves import PER_RANK_MAX, Aggregate, Segment
 from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, use_log_scale
 
 REDRAW_S = 0.5
@@ -29,6 +30,7 @@ FIGURE_CPU_BUDGET = 0.05
 # machine slows any draw, which the budget alone would turn into a figure seconds behind.
 FIGURE_MAX_AGE_S = 2.0
 PANEL_TEXT = "nbdist live panel (loss and throughput per rank; shown live in Jupyter)"
+SLOWEST_LISTED = 5  # ranks named under the table grouped by host
 
 
 @dataclass
@@ -55,10 +57,15 @@ def _eta(last: dict[str, Any], total: int | None, elapsed: float) -> str:
     return f"{remaining * elapsed / (step + 1):.0f} s"
 
 
-def table_html(agg: Aggregate, states: Sequence[str], now: float) -> str:
+def table_html(
+    agg: Aggregate, states: Sequence[str], now: float, hosts: Sequence[str] | None = None
+) -> str:
     """One row per rank: state, step, last loss, samples/s, working time per step, elapsed, ETA.
 
-    A rank the others wait for is marked in its working time."""
+    A rank the others wait for is marked in its working time. Beyond ``PER_RANK_MAX`` ranks,
+    one row per host instead (:func:`host_table_html`)."""
+    if agg.world > PER_RANK_MAX:
+        return host_table_html(agg, states, now, hosts)
     rows = []
     elapsed = now - agg.start
     slow = dict(agg.stragglers())
@@ -83,6 +90,72 @@ def table_html(agg: Aggregate, states: Sequence[str], now: float) -> str:
         for h in ("rank", "state", "step", "loss", "samples/s", "work/step", "elapsed", "ETA")
     )
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """``min / median / max`` of ``values`` (empty when there are none); the median of
+    integers (steps) is one of them, the lower middle one."""
+    if not values:
+        return ""
+    ints = all(isinstance(v, int) for v in values)
+    mid = statistics.median_low(values) if ints else statistics.median(values)
+    lo, hi = min(values), max(values)
+    return " / ".join(format(v, fmt) for v in (lo, mid, hi))
+
+
+def _counts(states: Sequence[str]) -> str:
+    """``"6 running, 2 done"``: how many ranks are in each state, in order of first mention."""
+    seen: dict[str, int] = {}
+    for s in states:
+        seen[s] = seen.get(s, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in seen.items())
+
+
+def host_table_html(
+    agg: Aggregate, states: Sequence[str], now: float, hosts: Sequence[str] | None = None
+) -> str:
+    """One row per host (in order of its first rank): its ranks' states, and min / median / max
+    of their step, loss, samples/s and working time per step; then the slowest ranks by working
+    time per step, those the others wait for in bold."""
+    hosts = list(hosts) if hosts is not None else ["?"] * agg.world
+    elapsed = now - agg.start
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    rows = []
+    for host, ranks in groups.items():
+        steps = [s for r in ranks if (s := agg.last[r].get("step")) is not None]
+        losses = [float(v) for r in ranks if (v := agg.last[r].get("loss")) is not None]
+        rates = [v for r in ranks if (v := agg.rate(r)) is not None]
+        work = [v * 1e3 for r in ranks if (v := agg.work_per_step(r)) is not None]
+        behind = min(ranks, key=lambda r: agg.last[r].get("step", -1))  # its ETA is the host's
+        rows.append(
+            "<tr>"
+            f"<td>{host}</td><td>{len(ranks)}</td><td>{_counts([states[r] for r in ranks])}</td>"
+            f"<td>{_spread(steps, 'd')}</td><td>{_spread(losses, '.4g')}</td>"
+            f"<td>{_spread(rates, ',.0f')}</td>"
+            f"<td>{_spread(work, ',.0f') + ' ms' if work else ''}</td>"
+            f"<td>{elapsed:.1f} s</td><td>{_eta(agg.last[behind], agg.total_steps, elapsed)}</td>"
+            "</tr>"
+        )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("host", "ranks", "state", "step", "loss", "samples/s", "work/step",
+                  "elapsed", "ETA")  # fmt: skip
+    )
+    note = "<i>min / median / max over each host's ranks</i>"
+    slow = dict(agg.stragglers())
+    timed = [(w, r) for r in range(agg.world) if (w := agg.work_per_step(r)) is not None]
+    slowest = sorted(timed, key=lambda wr: (-wr[0], wr[1]))[:SLOWEST_LISTED]
+    if slowest:
+        named = []
+        for w, r in slowest:
+            text = f"rank {r} ({hosts[r]}) {w * 1e3:,.0f} ms"
+            if r in slow:
+                text = f"<b>{text} ({slow[r]:.1f}× the others)</b>"
+            named.append(text)
+        note += "<br>slowest ranks (work/step): " + ", ".join(named)
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>{note}"
 
 
 # The Stop button asks the Jupyter server to interrupt this kernel. A widget click would travel
@@ -127,10 +200,12 @@ class Dashboard:
         *,
         interrupt_path: str | None,
         show: Callable[[dict[str, Any]], None],
+        hosts: Sequence[str] | None = None,
     ) -> None:
         import ipywidgets as widgets
 
         self.agg = agg
+        self.hosts = hosts
         self.figure = figure
         self._next_figure = 0.0
         self.drawn = -1  # how many points the image shows
@@ -153,7 +228,7 @@ class Dashboard:
     def draw(
         self, states: Sequence[str], smoothing: float, logy: bool | None, *, force: bool = False
     ) -> None:
-        self.table.value = table_html(self.agg, states, time.time())
+        self.table.value = table_html(self.agg, states, time.time(), self.hosts)
         now = time.monotonic()
         if force or now >= self._next_figure:
             self.image.value = self.figure.png(self.agg, smoothing, logy)
@@ -193,6 +268,8 @@ class LiveView:
         decades: logarithmic).
     earlier : sequence of Segment
         This session's earlier loss curves, which this cell's continues.
+    hosts : sequence of str or None
+        Each rank's host, for the table grouped by host beyond ``PER_RANK_MAX`` ranks.
     """
 
     def __init__(
@@ -206,8 +283,10 @@ class LiveView:
         expect_metrics: bool = False,
         logy: bool | None = None,
         earlier: Sequence[Segment] = (),
+        hosts: Sequence[str] | None = None,
     ) -> None:
         self.agg = Aggregate(world, earlier=list(earlier))
+        self.hosts = list(hosts) if hosts is not None else None
         self.plot, self.smoothing, self.logy = plot, smoothing, logy
         self._display, self._interrupt_path = display, interrupt_path
         self.throttle = Throttle()
@@ -248,7 +327,11 @@ class LiveView:
             return False
         if self.dashboard is None:
             self.dashboard = Dashboard(
-                self.agg, self._figure(), interrupt_path=self._interrupt_path, show=self._show
+                self.agg,
+                self._figure(),
+                interrupt_path=self._interrupt_path,
+                show=self._show,
+                hosts=self.hosts,
             )
         self.dashboard.draw(states, self.smoothing, self.logy, force=force)
         self.redraws += 1

@@ -139,19 +139,33 @@ def connected_text(engines: Sequence[EngineInfo]) -> str:
 def status_text(
     engines: Sequence[EngineInfo], *, source: str, busy: dict[int, int], warm: Iterable[str]
 ) -> str:
-    """``%distrain status``: the hosts, then one line per rank."""
+    """``%distrain status``: the hosts, then one line per rank (beyond ``PER_RANK_MAX``
+    ranks, each host's busy and idle count instead, and the busy ranks)."""
+    from nbdist.kernel.curves import PER_RANK_MAX
+
     hosts = by_host(engines)
+    grouped = len(engines) > PER_RANK_MAX
     lines = [
         f"nbdist: {len(engines)} workers on {len(hosts)} host{'s' if len(hosts) > 1 else ''}, "
         f"{source}"
     ]
     for address, group in hosts.items():
         gpus = [e.gpu for e in group if e.gpu is not None]
+        states = ""
+        if grouped:
+            n_busy = sum(1 for e in group if busy.get(e.rank))
+            states = f", {n_busy} busy, {len(group) - n_busy} idle"
         lines.append(
             f"  {group[0].host} ({address}): {len(group)} engine"
             f"{'s' if len(group) > 1 else ''}, ranks {group[0].rank}-{group[-1].rank}, "
-            f"GPUs {','.join(gpus) if gpus else 'none'}"
+            f"GPUs {','.join(gpus) if gpus else 'none'}{states}"
         )
+    if grouped:
+        running = [e.rank for e in engines if busy.get(e.rank)]
+        lines.append(f"busy ranks: {_spans(running) if running else 'none'}")
+        if warm:
+            lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
+        return "\n".join(lines)
     lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
     for e in engines:
         state = "busy" if busy.get(e.rank) else "idle"
@@ -160,6 +174,20 @@ def status_text(
     if warm:
         lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
     return "\n".join(lines)
+
+
+def _spans(ranks: Sequence[int]) -> str:
+    """``0-3, 7, 9-10`` for ranks 0, 1, 2, 3, 7, 9, 10 (sorted)."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
 
 
 # -- local engine processes (a cluster this kernel started) -----------------------------------

@@ -1,5 +1,6 @@
 """The figure of a run: loss vs step (mean over ranks, min–max band, the session's earlier cells
-fainter) and samples/s (total and per rank). matplotlib is imported when one is made."""
+fainter) and samples/s (total and per rank; beyond ``PER_RANK_MAX`` ranks, the ranks' mean with
+a min–max band, the total in the title). matplotlib is imported when one is made."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import io
 import math
 from collections.abc import Sequence
 
-from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
+from nbdist.kernel.curves import LOG_DECADES, PER_RANK_MAX, TOO_SHORT, Aggregate, Segment
 
 MAX_POINTS = 2000
 FIGURE_TEXT = "<nbdist figure: loss and throughput>"
 LOSS_TITLE = "loss (mean over ranks, min–max band)"
 EARLIER = "; pale: earlier cells"
+RATE_TITLE = "throughput (samples/s)"
+BAND_TITLE = "samples/s per rank (mean, min–max band)"
 
 
 def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
@@ -63,7 +66,9 @@ class Figure:
         self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
         self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
         # Titles at a fixed height: placed automatically, they cost a layout pass (~15 ms) a draw.
-        self.ax_rate.set_title("throughput (samples/s)", y=1.0, fontsize=10)
+        self.world = world
+        self.banded = world > PER_RANK_MAX
+        self.ax_rate.set_title(BAND_TITLE if self.banded else RATE_TITLE, y=1.0, fontsize=10)
         self.ax_loss.set_xlabel("step")
         self.ax_rate.set_xlabel("seconds")
         (self.earlier_line,) = self.ax_loss.plot(
@@ -72,11 +77,16 @@ class Figure:
         (self.mean_line,) = self.ax_loss.plot([], [], color="C0", label="this cell")
         self._log_format = FormatStrFormatter("%g")  # mathtext labels cost ~10 ms each draw
         self.band = None
-        (self.total_line,) = self.ax_rate.plot([], [], color="black", label="total")
-        self.rank_lines = [
-            self.ax_rate.plot([], [], alpha=0.6, label=f"rank {r}")[0] for r in range(world)
-        ]
-        self.ax_rate.legend(loc="lower right", fontsize="small")
+        self.rate_band = None
+        if self.banded:  # one line and a band however many ranks: no legend, no line per rank
+            (self.total_line,) = self.ax_rate.plot([], [], color="C1")
+            self.rank_lines = []
+        else:
+            (self.total_line,) = self.ax_rate.plot([], [], color="black", label="total")
+            self.rank_lines = [
+                self.ax_rate.plot([], [], alpha=0.6, label=f"rank {r}")[0] for r in range(world)
+            ]
+            self.ax_rate.legend(loc="lower right", fontsize="small")
         self.note = self.ax_rate.text(
             0.5, 0.5, "", transform=self.ax_rate.transAxes, ha="center", va="center", color="0.4"
         )
@@ -97,6 +107,11 @@ class Figure:
         if self.band is not None:
             self.band.remove()
             self.band = None
+        if self.rate_band is not None:
+            self.rate_band.remove()
+            self.rate_band = None
+        if self.banded:
+            self.ax_rate.set_title(BAND_TITLE, y=1.0, fontsize=10)
         for line in (self.total_line, *self.rank_lines):
             line.set_data([], [])
         self.note.set_text("")
@@ -120,17 +135,41 @@ class Figure:
             self.ax_loss.yaxis.set_major_formatter(self._log_format)
         else:
             self.ax_loss.set_yscale("linear")
-        times, total, per_rank = agg.throughput_curve()
-        few = len(times) < 3  # a line needs points to be seen: mark each one
-        self.total_line.set_data(*_kept(times, total))
-        self.total_line.set_marker("o" if few else "None")
-        for line, (xs_r, ys_r) in zip(self.rank_lines, per_rank, strict=True):
-            line.set_data(*_kept(xs_r, ys_r))
-            line.set_marker("o" if len(xs_r) < 3 else "None")
+        if self.banded:
+            times = self._draw_band(agg)
+        else:
+            times, total, per_rank = agg.throughput_curve()
+            few = len(times) < 3  # a line needs points to be seen: mark each one
+            self.total_line.set_data(*_kept(times, total))
+            self.total_line.set_marker("o" if few else "None")
+            for line, (xs_r, ys_r) in zip(self.rank_lines, per_rank, strict=True):
+                line.set_data(*_kept(xs_r, ys_r))
+                line.set_marker("o" if len(xs_r) < 3 else "None")
         self.note.set_text("" if times else TOO_SHORT)
         for ax in (self.ax_loss, self.ax_rate):
             ax.relim()
             ax.autoscale_view()
+
+    def _draw_band(self, agg: Aggregate) -> list[float]:
+        """The ranks' samples/s as a mean line in a min–max band; the total in the title."""
+        assert agg.bands is not None
+        times, mean, lo, hi, total = agg.bands.curve()
+        if self.rate_band is not None:
+            self.rate_band.remove()
+            self.rate_band = None
+        keep = downsample(times)
+        xs = [times[i] for i in keep]
+        self.total_line.set_data(xs, [mean[i] for i in keep])
+        self.total_line.set_marker("o" if len(xs) < 3 else "None")
+        if xs:
+            self.rate_band = self.ax_rate.fill_between(
+                xs, [lo[i] for i in keep], [hi[i] for i in keep], alpha=0.25, color="C1"
+            )
+            title = f"{BAND_TITLE}; total {total[-1]:,.0f}"
+        else:
+            title = BAND_TITLE
+        self.ax_rate.set_title(title, y=1.0, fontsize=10)
+        return times
 
     def png(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> bytes:
         self.draw(agg, smoothing, logy)

@@ -39,7 +39,7 @@ from nbdist.engine.waiting import WHERE_KEY
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.display import LiveView
-from nbdist.kernel.metrics import MetricsStream
+from nbdist.kernel.metrics import MetricsStream, Rounds
 from nbdist.kernel.relay import OutputRelay
 from nbdist.kernel.watch import IDLE_CPU_SHARE, Watch
 
@@ -105,10 +105,10 @@ class Job:
         self.live = live
         self.world = world  # ranks in the group: --on runs a job on some of them
         self.framework = specs[0].framework
-        visible = [opts.ranks is None or r in opts.ranks for r in self.ranks]
         noise = getattr(backends.load(self.framework), "OUTPUT_NOISE", None)
-        self.outputs = OutputRelay(visible, out, err, labels=self.ranks, noise=noise)
+        self.outputs = OutputRelay.for_job(self.ranks, opts, out, err, noise=noise)
         self.stream = MetricsStream(len(specs))
+        self.rounds = Rounds(len(specs), PUMP_EVERY_S)
         self.watch = Watch()
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
@@ -214,9 +214,10 @@ class Job:
                     # Reading a task's output or data parses its metadata (~0.1 ms each): not
                     # at every poll. Lines are held for OutputRelay.HOLD_S anyway.
                     next_pump = now + PUMP_EVERY_S
-                    self.outputs.pump(ars)
-                    for pos, ar in enumerate(ars):
-                        if stream.pump(pos, ar.data):
+                    due = self.rounds.next()
+                    self.outputs.pump(ars, positions=due)
+                    for pos in due:
+                        if stream.pump(pos, ars[pos].data):
                             watch.note_progress(pos, now)
                     history, total = stream.history, stream.total_steps()
                     live.update(history, states(ars, watch), total_steps=total)

@@ -30,6 +30,7 @@ class RunOptions:
     pull: tuple[str, ...] = ()
     out: str | None = None
     ranks: tuple[int, ...] | None = None
+    all_output: bool = False  # --ranks all: every rank's lines, however many ranks
     timeout: float | None = None
     stall: float = 60.0
     check: bool = True
@@ -79,6 +80,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}; try -n 2")
     return value
+
+
+def _shown_ranks(text: str) -> tuple[int, ...] | str:
+    return "all" if text.strip() == "all" else _ranks(text)
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -182,9 +187,10 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ranks",
-        type=_ranks,
+        type=_shown_ranks,
         metavar="R,S",
-        help="show the output of these ranks only (default: all)",
+        help="show the output of these ranks only, or 'all' (default: every rank up to 16 "
+        "ranks; beyond, rank 0 and a count of the others' lines)",
     )
     p.add_argument(
         "--timeout", type=_seconds, metavar="S", help="stop the whole job after S seconds"
@@ -287,7 +293,8 @@ def parse_run_options(line: str) -> RunOptions:
         push=ns.push,
         pull=ns.pull,
         out=ns.out,
-        ranks=ns.ranks,
+        ranks=None if ns.ranks == "all" else ns.ranks,
+        all_output=ns.ranks == "all",
         timeout=ns.timeout,
         stall=ns.stall,
         check=ns.check,

@@ -3,15 +3,21 @@
 Ranks print to their own engines; ipyparallel hands the notebook each task's stdout, stderr and
 display outputs as they arrive. Printed lines go to the cell prefixed ``[rank N]``; what a rank
 ``display()``-s (a figure, HTML, a table) is shown as it is, under a ``[rank N]`` label when
-more than one rank displayed something.
+more than one rank displayed something. Beyond ``PER_RANK_MAX`` ranks only the first rank's
+lines are shown unless ``--ranks`` says otherwise (512 ranks printing a line a second would
+bury the cell), and the end of the cell says how many lines the others printed.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
+
+from nbdist.kernel.curves import PER_RANK_MAX
+
+MOST_LISTED = 3  # ranks named in the note on lines not shown
 
 
 class OutputRelay:
@@ -41,16 +47,63 @@ class OutputRelay:
         self._partial = {name: [""] * n for name in self._sinks}
         self._held: dict[str, list[tuple[int, str]]] = {name: [] for name in self._sinks}
         self._since: dict[str, float] = {}
+        self.note_hidden = False
+        self.hidden = [0] * n  # lines of ranks not shown, per rank (stdout and stderr)
 
-    def pump(self, ars: list[Any], final: bool = False) -> None:
+    @classmethod
+    def for_job(
+        cls, ranks: Sequence[int], opts: Any, out: TextIO, err: TextIO, noise: str | None = None
+    ) -> OutputRelay:
+        """The relay for a job on session ranks ``ranks``: the ranks ``--ranks`` names; without
+        it every rank up to ``PER_RANK_MAX`` ranks, beyond that the first one only and a count
+        of the others' lines at the end; ``--ranks all`` every rank however many."""
+        chosen = opts.ranks
+        many = chosen is None and len(ranks) > PER_RANK_MAX and not opts.all_output
+        if many:
+            visible = [i == 0 for i in range(len(ranks))]
+        else:
+            visible = [chosen is None or r in chosen for r in ranks]
+        relay = cls(visible, out, err, labels=ranks, noise=noise)
+        relay.note_hidden = many
+        return relay
+
+    def hidden_note(self) -> str | None:
+        """What the ranks not shown printed, in one line; None when they printed nothing."""
+        counts = [(c, self.labels[i]) for i, c in enumerate(self.hidden) if not self.visible[i]]
+        total = sum(c for c, _ in counts)
+        if not total:
+            return None
+        per_rank = sorted(c for c, _ in counts)
+        mid = per_rank[(len(per_rank) - 1) // 2]
+        most = sorted(counts, key=lambda cr: (-cr[0], cr[1]))[:MOST_LISTED]
+        named = ", ".join(f"rank {r} {c:,}" for c, r in most if c)
+        shown = ", ".join(str(self.labels[i]) for i, v in enumerate(self.visible) if v)
+        return (
+            f"nbdist: {len(counts)} other ranks printed {total:,} lines, not shown here (shown: "
+            f"rank {shown}); per rank {per_rank[0]:,} / {mid:,} / {per_rank[-1]:,} (min / "
+            f"median / max), most: {named}. `--ranks all` shows every rank's lines, `--ranks 3,5` "
+            "some; all are kept in the result (`-o res`, then `res.stdout[rank]`)."
+        )
+
+    def pump(
+        self, ars: list[Any], final: bool = False, positions: Iterable[int] | None = None
+    ) -> None:
+        """Take in the new lines of the tasks at ``positions`` (all by default, and at the end)."""
         now = time.monotonic()
+        due = range(len(ars)) if final or positions is None else list(positions)
         for name, sink in self._sinks.items():
             held = self._held[name]
-            for rank, ar in enumerate(ars):
+            for rank in due:
+                ar = ars[rank]
                 text = getattr(ar, name) or ""
                 seen = self._seen[name]
                 new, seen[rank] = text[seen[rank] :], len(text)
-                if not self.visible[rank] or not (new or final):
+                if not self.visible[rank]:
+                    self.hidden[rank] += new.count("\n")
+                    if final and text and not text.endswith("\n"):  # a last line, unfinished
+                        self.hidden[rank] += 1
+                    continue
+                if not (new or final):
                     continue
                 lines = (self._partial[name][rank] + new).split("\n")
                 self._partial[name][rank] = "" if final else lines.pop()
@@ -66,6 +119,10 @@ class OutputRelay:
                 sink.flush()
                 held.clear()
                 del self._since[name]
+        if final and self.note_hidden and (note := self.hidden_note()):
+            self.note_hidden = False  # once
+            self._sinks["stdout"].write(note + "\n")
+            self._sinks["stdout"].flush()
 
 
 def show_displays(ars: Sequence[Any], labels: Sequence[int], publish: Callable[..., Any]) -> int:

@@ -216,6 +216,7 @@ class Session:
             expect_metrics=may_log(tree, opts.autolog),
             logy=opts.logy,
             earlier=self.curve,
+            hosts=[self.cluster.engines[s.rank].host for s in specs],
         )
         self.view = live_view
         job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
