@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import worker
+from nbdist.engine.env import sigint_ignored
 from nbdist.engine.hardware import (
     busy_gpus_notice,
     gpu_holders,
@@ -133,9 +134,11 @@ class LocalCluster(RankedEngines):
             self._record_pids()
             self._client = cluster.connect_client_sync()
             self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
-            self._learn_engines()
-        except Exception as e:
+            self._learn_engines(timeout=ENGINE_START_TIMEOUT_S)
+        except BaseException as e:  # an interrupt too: no half-started cluster stays behind
             self.stop()
+            if not isinstance(e, Exception):
+                raise
             raise ClusterError(
                 f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
                 "this kernel's environment, then run %distrain start again."
@@ -144,7 +147,15 @@ class LocalCluster(RankedEngines):
 
     def stop(self) -> None:
         """Stop engines and controller; no process is left behind. A connected cluster (one
-        nbdist did not start) is only disconnected from: its engines keep running."""
+        nbdist did not start) is only disconnected from: its engines keep running.
+
+        An interrupt cannot cut it short (it takes about 2 s): a stop half done would leave
+        processes that nothing stops any more.
+        """
+        with sigint_ignored():
+            self._stop()
+
+    def _stop(self) -> None:
         if not self.owned:
             client, self._client, self._cluster = self._client, None, None
             self._forget_engines()
@@ -274,31 +285,54 @@ class LocalCluster(RankedEngines):
             self._notify(notice)
         n = n or self.size
         _check_gpus(n)
-        shutdown_engines(self._client, [e.pid for e in self.engines])
-        self._forget_engines()
-        self._cluster.stop_engines_sync()
-        self._record_pids()
-        self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
-            self.preload, n, self.network
-        )
-        self._cluster.start_engines_sync(n)
-        self._record_pids()
+        old = set(self._client.ids)
+        try:
+            shutdown_engines(self._client, [e.pid for e in self.engines])
+            self._forget_engines()
+            self._cluster.stop_engines_sync()
+            self._record_pids()
+            self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
+                self.preload, n, self.network
+            )
+            self._cluster.start_engines_sync(n)
+            self._record_pids()
+            self._learn_engines(self._new_ids(old, n), timeout=ENGINE_START_TIMEOUT_S)
+        except BaseException as e:
+            # An interrupt, or engines that do not come back: no cluster rather than one with
+            # fewer engines than its pidfile and its ranks say. The next cell starts a new one.
+            self.stop()
+            if not isinstance(e, Exception):
+                raise
+            raise ClusterError(
+                f"the engines could not be replaced ({type(e).__name__}: {e}); the cluster was "
+                "stopped, and the next %%distrain (or %distrain start) starts a new one."
+            ) from e
+
+    def _new_ids(self, old: set[int], n: int) -> list[int]:
+        """The ids of ``n`` engines registered after ``old``, once all are there.
+
+        A killed engine stays listed for up to the heartbeat's 10 s: counting every id would let
+        a dead one plus a new one pass for two engines.
+        """
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while len(self._client.ids) != n:
+        while True:
+            new = sorted(set(self._client.ids) - old)
+            if len(new) >= n:
+                return new[:n]
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"only {len(self._client.ids)} of {n} engines came back; run %distrain restart"
+                    f"only {len(new)} of {n} new engines registered within "
+                    f"{ENGINE_START_TIMEOUT_S} s"
                 )
             time.sleep(0.05)
-        self._learn_engines()
 
     def _forget_engines(self) -> None:
         self.engines = []
         self.warm = set()
         self.rendezvous = {}
 
-    def _learn_engines(self, timeout: float | None = None) -> None:
-        ids = sorted(self._client.ids)
+    def _learn_engines(self, ids: list[int] | None = None, *, timeout: float | None = None) -> None:
+        ids = sorted(self._client.ids) if ids is None else ids
         peer = LOOPBACK if self.owned else self._controller_host()
         infos = self._client[ids].apply_async(worker.engine_info, peer).get(timeout=timeout)
         engines = rank_engines(ids, settle_addresses(infos, local=LOOPBACK if self.owned else None))
