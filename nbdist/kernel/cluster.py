@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,12 +86,97 @@ class LocalCluster(RankedEngines):
         self.exposure_told = False  # --expose-tf's notice shown for this cluster
         # CurveZMQ on every controller socket (benchmarks/curve_cost.py turns it off to compare).
         self.curve = True
+        # A start begun at %load_ext (start_in_background): what it would have said, and how it
+        # ended, held for the first command that needs the cluster.
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._held: list[str] = []
+        self._shown_notify: Callable[[str], None] | None = None
+        self._background_error: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        self._wait_background()
+        return self._client is not None
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def start_in_background(self, n: int | None = None) -> None:
+        """Begin :meth:`start` on a thread and return at once (``%load_ext nbdist``: the user
+        reads and types meanwhile).
+
+        Its notices are held, and its error too, for the first command that needs the cluster:
+        every other method waits for the start first (a Ctrl-C while waiting cancels it and
+        leaves no cluster, or the whole one if it had just finished). A kernel that exits
+        meanwhile stops what has started.
+        """
+        if self._thread is not None or self._client is not None:
+            return
+        self._cancel.clear()
+        self._held, self._background_error = [], None
+        self._shown_notify, self._notify = self._notify, self._held.append
+        self._thread = threading.Thread(
+            target=self._start_held, args=(n,), name="nbdist-prestart", daemon=True
+        )
+        atexit.register(self.stop)
+        self._thread.start()
+
+    def _start_held(self, n: int | None) -> None:
+        try:
+            self.start(n)
+        except BaseException as e:  # noqa: B036 - held for the first command, raised there
+            self._background_error = e
+
+    def _wait_background(self) -> None:
+        """Wait for a background start to end; show what it said (in the cell that waits)."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        try:
+            while thread.is_alive():
+                thread.join(0.05)
+        except KeyboardInterrupt:
+            self._cancel.set()  # the start stops at its next step and stops what it started
+            with sigint_ignored():
+                thread.join()
+                self._end_background(show=False)
+            raise
+        self._end_background(show=True)
+
+    def _end_background(self, *, show: bool) -> None:
+        self._thread = None
+        self._notify, self._shown_notify = self._shown_notify or self._notify, None
+        held, self._held = self._held, []
+        error, self._background_error = self._background_error, None
+        if isinstance(error, KeyboardInterrupt):  # cancelled: stopped already, nothing to say
+            return
+        if show:
+            for message in held:
+                self._notify(message)
+        if error is not None:
+            self._background_error = error  # for raise_background_error, once
+
+    @property
+    def background_error(self) -> BaseException | None:
+        """Why the background start failed (None if it did not, or was never begun)."""
+        self._wait_background()
+        return self._background_error
+
+    def raise_background_error(self) -> None:
+        """The error of a background start that failed, once (then a plain start works)."""
+        error = self.background_error
+        self._background_error = None
+        if error is not None:
+            raise error
+
+    def _checkpoint(self) -> None:
+        if self._cancel.is_set():
+            raise KeyboardInterrupt
+
     def start(self, n: int | None = None) -> None:
         """Start a controller on loopback and ``n`` engines, and learn what each can use."""
         if self.running:
             return
+        self._background_error = None  # a failed background start: this one tries again
         self.owned, self.source = True, LOCAL_SOURCE
         self.stale, self.exposure_told = None, False
         n = n or default_workers()
@@ -117,10 +203,12 @@ class LocalCluster(RankedEngines):
             self._cluster = cluster
             # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
             atexit.register(self.stop)
+            self._checkpoint()
             cluster.start_controller_sync()
             self._record_pids()
             self.network.ready()
             self._record_pids()
+            self._checkpoint()
             if not self.network.private:
                 self._notify(
                     f"nbdist: the workers share this machine's network ({self.network.reason}); "
@@ -130,11 +218,12 @@ class LocalCluster(RankedEngines):
                 self.preload, n, self.network
             )
             self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
+            self._checkpoint()
             cluster.start_engines_sync(n)
             self._record_pids()
-            self._client = cluster.connect_client_sync()
-            self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
-            self._learn_engines(timeout=ENGINE_START_TIMEOUT_S)
+            client = cluster.connect_client_sync()
+            self._client = client
+            self._learn_engines(self._new_ids(set(), n), timeout=ENGINE_START_TIMEOUT_S)
         except BaseException as e:  # an interrupt too: no half-started cluster stays behind
             self.stop()
             if not isinstance(e, Exception):
@@ -152,6 +241,10 @@ class LocalCluster(RankedEngines):
         An interrupt cannot cut it short (it takes about 2 s): a stop half done would leave
         processes that nothing stops any more.
         """
+        self._cancel.set()  # a background start still running stops at its next step
+        self._wait_background()
+        self._cancel.clear()
+        self._background_error = None
         with sigint_ignored():
             self._stop()
 
@@ -248,6 +341,7 @@ class LocalCluster(RankedEngines):
         )
 
     def restart(self, n: int | None = None) -> None:
+        self._wait_background()
         if not self.owned:
             raise ClusterError(self._not_ours())
         n = n or self.size or None
@@ -256,6 +350,7 @@ class LocalCluster(RankedEngines):
 
     def ensure(self, n: int | None) -> None:
         """Have a cluster of ``n`` engines (keep the running one when ``n`` is None or equal)."""
+        self.raise_background_error()
         if not self.running:
             self.start(n)
         elif not self.owned:
@@ -316,6 +411,7 @@ class LocalCluster(RankedEngines):
         """
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
+            self._checkpoint()
             new = sorted(set(self._client.ids) - old)
             if len(new) >= n:
                 return new[:n]

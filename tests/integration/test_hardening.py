@@ -12,8 +12,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -25,22 +23,9 @@ from nbdist.kernel import cluster as cluster_module
 from nbdist.kernel import commands, failures
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.engines import kill_trees
+from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
-
-
-def _children() -> dict[int, psutil.Process]:
-    return {p.pid: p for p in psutil.Process().children(recursive=True)}
-
-
-@contextmanager
-def no_process_left() -> Iterator[None]:
-    """Every process started inside the block is gone at its end."""
-    before = set(_children())
-    yield
-    new = [p for pid, p in _children().items() if pid not in before]
-    _, alive = psutil.wait_procs(new, timeout=10)
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
 def _interrupt_after(obj, name: str) -> None:
