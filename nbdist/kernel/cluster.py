@@ -93,6 +93,7 @@ class LocalCluster(RankedEngines):
         self._held: list[str] = []
         self._shown_notify: Callable[[str], None] | None = None
         self._background_error: BaseException | None = None
+        self._unconnected: int | None = None  # engines started in the background, no client yet
 
     @property
     def running(self) -> bool:
@@ -122,12 +123,13 @@ class LocalCluster(RankedEngines):
 
     def _start_held(self, n: int | None) -> None:
         try:
-            self.start(n)
+            self.start(n, connect=False)
         except BaseException as e:  # noqa: B036 - held for the first command, raised there
             self._background_error = e
 
-    def _wait_background(self) -> None:
-        """Wait for a background start to end; show what it said (in the cell that waits)."""
+    def _wait_background(self, *, connect: bool = True) -> None:
+        """Wait for a background start to end; show what it said (in the cell that waits), and
+        connect the notebook's client to its engines (``connect``)."""
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return
@@ -139,8 +141,17 @@ class LocalCluster(RankedEngines):
             with sigint_ignored():
                 thread.join()
                 self._end_background(show=False)
+                if self._unconnected is not None:  # launched before it saw the cancel
+                    self._unconnected = None
+                    self._stop()
             raise
         self._end_background(show=True)
+        n, self._unconnected = self._unconnected, None
+        if connect and n is not None and self._background_error is None:
+            try:
+                self._connect_engines(n)
+            except ClusterError as e:
+                self._background_error = e
 
     def _end_background(self, *, show: bool) -> None:
         self._thread = None
@@ -172,8 +183,13 @@ class LocalCluster(RankedEngines):
         if self._cancel.is_set():
             raise KeyboardInterrupt
 
-    def start(self, n: int | None = None) -> None:
-        """Start a controller on loopback and ``n`` engines, and learn what each can use."""
+    def start(self, n: int | None = None, *, connect: bool = True) -> None:
+        """Start a controller on loopback and ``n`` engines, and learn what each can use.
+
+        Without ``connect`` (a background start), stop once the engines are launched: the
+        notebook's client is made in the thread that uses it (``_connect_engines``), as a client
+        made in another thread lost the engines' printed output here.
+        """
         if self.running:
             return
         self._background_error = None  # a failed background start: this one tries again
@@ -221,18 +237,27 @@ class LocalCluster(RankedEngines):
             self._checkpoint()
             cluster.start_engines_sync(n)
             self._record_pids()
-            client = cluster.connect_client_sync()
-            self._client = client
-            self._learn_engines(self._new_ids(set(), n), timeout=ENGINE_START_TIMEOUT_S)
+            self._checkpoint()
         except BaseException as e:  # an interrupt too: no half-started cluster stays behind
             self.stop()
             if not isinstance(e, Exception):
                 raise
-            raise ClusterError(
-                f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
-                "this kernel's environment, then run %distrain start again."
-            ) from e
+            raise _start_failed(n, e) from e
+        if not connect:
+            self._unconnected = n
+            return
+        self._connect_engines(n)
         log.info("cluster with %d engines up in %.1f s", n, time.perf_counter() - start)
+
+    def _connect_engines(self, n: int) -> None:
+        try:
+            self._client = self._cluster.connect_client_sync()
+            self._learn_engines(self._new_ids(set(), n), timeout=ENGINE_START_TIMEOUT_S)
+        except BaseException as e:
+            self.stop()
+            if not isinstance(e, Exception):
+                raise
+            raise _start_failed(n, e) from e
 
     def stop(self) -> None:
         """Stop engines and controller; no process is left behind. A connected cluster (one
@@ -242,9 +267,9 @@ class LocalCluster(RankedEngines):
         processes that nothing stops any more.
         """
         self._cancel.set()  # a background start still running stops at its next step
-        self._wait_background()
+        self._wait_background(connect=False)
         self._cancel.clear()
-        self._background_error = None
+        self._background_error = self._unconnected = None
         with sigint_ignored():
             self._stop()
 
@@ -491,6 +516,13 @@ def _engine_env(preload: str | None, n: int, network: Any) -> dict[str, str]:
         # threads later is not enough; measured here, 2 workers' steps were ~6% slower.
         env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
     return env
+
+
+def _start_failed(n: int, e: BaseException) -> ClusterError:
+    return ClusterError(
+        f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
+        "this kernel's environment, then run %distrain start again."
+    )
 
 
 def _check_gpus(n: int) -> None:

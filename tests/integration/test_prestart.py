@@ -41,9 +41,12 @@ def test_first_cell_reuses_the_background_start_and_shows_its_notice_once(presta
         assert prestarting.start_in_background()
         time.sleep(1)  # the user reads: whatever the start says is held, not printed now
         assert capsys.readouterr().out == ""
-        prestarting.distrain("-o res", "import os\n(rank, os.getpid())\n")
+        prestarting.distrain(
+            "-o res", "import os\nprint('hello from', rank)\n(rank, os.getpid())\n"
+        )
         out = capsys.readouterr().out
         assert out.count(STARTING) == 1 and out.startswith(STARTING)
+        assert "[rank 0] hello from 0\n" in out and "[rank 1] hello from 1\n" in out
         engines = prestarting.cluster.engines
         assert prestarting.shell.user_ns["res"].values == [(0, engines[0].pid), (1, engines[1].pid)]
         # The engines preloaded torch while they started (TensorFlow stays on demand).
