@@ -8,6 +8,8 @@ Variants (each with 1 and N workers; repetitions interleaved so machine drift hi
 - ``distrain-cold``: the first ``%%distrain`` cell after ``%load_ext nbdist`` (cluster start
   included), ``distrain-warm``: the second, ``distrain-nolive``: a warm one with
   ``--no-autolog --no-plot`` (the cost of live metrics is warm vs. nolive);
+- ``distrain-prestart``: ``%load_ext nbdist`` with the background start on (as in a Jupyter
+  kernel), ``THINK_S`` seconds of the user reading, then the first ``%%distrain`` cell;
 - ``tf-plain``: N plain Python processes with ``TF_CONFIG`` running Keras ``fit`` under
   ``MultiWorkerMirroredStrategy``; ``tf-distrain-cold`` / ``-warm`` / ``-nolive``: the same code
   through ``%%distrain --framework tf``.
@@ -57,7 +59,11 @@ GPU_TAG = "gpu"
 CPU_DEFAULTS = {"steps": 150, "batch": 128}
 GPU_DEFAULTS = {"steps": 300, "batch": 8192}
 
-TORCH_VARIANTS = ("torchrun", "accelerate", "distrain-cold", "distrain-warm", "distrain-nolive")
+TORCH_VARIANTS = (
+    "torchrun", "accelerate", "distrain-cold", "distrain-prestart", "distrain-warm",
+    "distrain-nolive",
+)  # fmt: skip
+THINK_S = 5.0  # distrain-prestart: between %load_ext and the first cell
 TF_VARIANTS = ("tf-plain", "tf-distrain-cold", "tf-distrain-warm", "tf-distrain-nolive")
 BASELINE = {"torch": "torchrun", "tf": "tf-plain"}
 
@@ -185,6 +191,10 @@ def targets(
     if cold and run:
         r = cold["first_step_s"] / run["first_step_s"]
         add("cold first step / torchrun's", r, 1.0, r <= 1.0)
+    prestart = get("distrain-prestart")
+    if prestart and run:
+        r = prestart["first_step_s"] / run["first_step_s"]
+        add(f"first step {THINK_S:g} s after %load_ext / torchrun's", r, 0.25, r <= 0.25)
     if warm and (run or acc):
         best = min(x["step_ms"] for x in (run, acc) if x)
         r = warm["step_ms"] / best
@@ -316,6 +326,8 @@ def run_once(
         return _child(["accelerate", *common])
     if variant == "distrain":
         return _child(["distrain", *common])
+    if variant == "distrain-prestart":
+        return _child(["distrain-prestart", *common])
     if variant == "tf-distrain":
         return _child(["tf-distrain", *common])
     raise ValueError(variant)
@@ -423,6 +435,25 @@ def child_distrain(a: argparse.Namespace, framework: str) -> list[dict[str, Any]
     return records
 
 
+def child_distrain_prestart(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """``%load_ext nbdist``, the user thinking for ``THINK_S``, then the first cell."""
+    from IPython.testing.globalipapp import start_ipython
+
+    os.environ["NBDIST_PRESTART"] = "1"  # on in a Jupyter kernel; this shell has none
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "nbdist")
+    time.sleep(THINK_S)
+    cell = TORCH_CELL.format(here=str(HERE), steps=a.steps, batch=a.batch)
+    try:
+        t0 = time.time()
+        ip.run_cell_magic("distrain", f"-n {a.n} --framework torch -o bench_result", cell)
+        end = time.time()
+    finally:
+        ip.run_line_magic("distrain", "stop")
+    stamps = ip.user_ns["bench_result"].values[0]["stamps"]
+    return [{"variant": "distrain-prestart", **measure(stamps, t0, end, a.n, a.batch)}]
+
+
 def child_tf_worker(a: argparse.Namespace) -> None:
     import tensorflow as tf
 
@@ -457,6 +488,8 @@ def child_main(a: argparse.Namespace) -> int:
         records = child_accelerate(a)
     elif a.child == "distrain":
         records = child_distrain(a, "torch")
+    elif a.child == "distrain-prestart":
+        records = child_distrain_prestart(a)
     elif a.child == "tf-distrain":
         records = child_distrain(a, "tf")
     else:
@@ -616,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, counts, workload = ["torchrun", "distrain"], [n], GPU_TAG
     else:
         if "torch" in frameworks:
-            plan += ["torchrun", "accelerate", "distrain"]
+            plan += ["torchrun", "accelerate", "distrain", "distrain-prestart"]
         if "tf" in frameworks:
             plan += ["tf-plain", "tf-distrain"]
         counts, workload = sorted({1, n}), "cpu"

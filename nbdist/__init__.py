@@ -53,10 +53,13 @@ __all__ = [
 
 
 def load_ipython_extension(ipython: _Any) -> None:
-    """``%load_ext nbdist``: register ``%%distrain`` / ``%distrain`` in this kernel."""
+    """``%load_ext nbdist``: register ``%%distrain`` / ``%distrain`` in this kernel, and (in a
+    Jupyter kernel) begin starting the workers in the background; it returns at once."""
     from nbdist.kernel.magic import DistrainMagics
 
-    ipython.register_magics(DistrainMagics(ipython))
+    magics = DistrainMagics(ipython)
+    ipython.register_magics(magics)
+    magics.start_in_background()
 
 
 def unload_ipython_extension(ipython: _Any) -> None:

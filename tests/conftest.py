@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
+
+# The suite's kernels (nbval's, the browser test's) and shells start their workers when a test
+# asks, as before prestart existed: tests that measure or expect a start keep seeing it where
+# they ask for it. tests/integration/test_prestart.py turns it on where it is the subject.
+os.environ["NBDIST_PRESTART"] = "0"
 
 
 def _ipyparallel_children() -> list[psutil.Process]:

@@ -163,9 +163,6 @@ def usable_cpus() -> int:
 
 ADDRESS_ENV = "NBDIST_ADDRESS"
 
-# This engine's reachable address, once engine_info has found it (None: not asked yet).
-own_address: str | None = None
-
 
 def reachable_address(peer: str) -> str:
     """The address other hosts reach this process at: ``$NBDIST_ADDRESS`` when set (a host with
@@ -202,21 +199,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def engine_info(peer: str | None = None) -> dict[str, object]:
-    """Identity and hardware of the engine this runs in; gathered once per engine.
-
-    ``peer`` is the controller's address: with it, the engine also reports the address other
-    hosts reach it at (see :func:`reachable_address`).
-    """
-    global own_address
-    if peer is not None:
-        own_address = reachable_address(peer)
+def process_info(address: str | None) -> dict[str, object]:
+    """Identity and hardware of this process, and ``address``, the one other hosts reach it at
+    (None when not known)."""
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "gpus": visible_gpus(),
         "cpus": usable_cpus(),
-        "address": own_address,
+        "address": address,
         "addresses": host_addresses(),
     }
 

@@ -1,9 +1,12 @@
-"""What the notebook sends to each engine for one run: plain, picklable data."""
+"""What the notebook sends to each engine for one run, and what each sends back: plain,
+picklable data."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from nbdist.errors import RankFailure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,3 +31,21 @@ class RankSpec:
     pull: tuple[str, ...] = ()
     autolog: bool = True
     fresh: bool = False  # run in a throwaway namespace instead of the session's
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """What one rank sends back from a run (``worker.run_rank`` never raises: a failure of the
+    cell is ``failure``). The notebook reads these fields, nothing else."""
+
+    rank: int
+    host: str
+    pid: int
+    failure: RankFailure | None = None
+    value: Any = None  # the last expression's value, when it can be pickled
+    value_repr: str | None = None  # its repr; None when the cell has no value
+    names: list[str] = field(default_factory=list)  # the session's variables after the run
+    messages: int = 0  # metrics messages published (the notebook waits for that many)
+    wall: float = 0.0
+    pulled: dict[str, Any] = field(default_factory=dict)  # --pull's values (first rank only)
+    pull_error: str | None = None  # a --pull name that failed (the cell itself ran)

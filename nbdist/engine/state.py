@@ -18,6 +18,7 @@ class EngineState:
 
     warm: set[str] = field(default_factory=set)
     gpu: str | None = None
+    address: str | None = None  # where other hosts reach this engine (None: not asked yet)
     slots: dict[str, dict[str, Any]] = field(default_factory=dict)
     recorder: Any = None  # the running cell's metrics Recorder, None between runs
     # The workers' variables when the engine has no IPython shell (see nbdist.engine.namespace).

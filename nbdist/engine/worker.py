@@ -19,24 +19,22 @@ import ast
 import linecache
 import os
 import pickle
-import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from nbdist.engine import backends
-from nbdist.engine.env import patch_environment
-from nbdist.engine.hardware import engine_info
+from nbdist.engine.env import patch_environment, sigint_ignored
+from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
-from nbdist.engine.spec import RankSpec
+from nbdist.engine.spec import RankReport, RankSpec
 from nbdist.engine.state import engine_state
 from nbdist.engine.waiting import WhereReporter
+from nbdist.errors import RankFailure
 
 __all__ = [
     "check_group",
@@ -60,11 +58,21 @@ def pin_gpu(gpu: str | None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
 
 
+def engine_info(peer: str | None = None) -> dict[str, object]:
+    """Identity and hardware of this engine; gathered once per engine.
+
+    ``peer`` is the controller's address: with it, the engine also finds (and keeps) the address
+    other hosts reach it at (see :func:`nbdist.engine.hardware.reachable_address`).
+    """
+    state = engine_state()
+    if peer is not None:
+        state.address = reachable_address(peer)
+    return process_info(state.address)
+
+
 def set_address(address: str) -> None:
     """The address other hosts reach this engine at, as the notebook settled it."""
-    from nbdist.engine import hardware
-
-    hardware.own_address = address
+    engine_state().address = address
 
 
 def warm_up(framework: str, *, local_world_size: int, cpus: int) -> float:
@@ -82,22 +90,6 @@ def prepare(framework: str, *, rank: int, world_size: int, options: dict[str, An
     return backends.load(framework).prepare(
         rank=rank, world_size=world_size, options=options, state=engine_state()
     )
-
-
-@contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Shield clean-up from a second interrupt: a half-done teardown would leave a hung group."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except KeyboardInterrupt:  # an interrupt already pending fires on the line above; once.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
@@ -118,7 +110,7 @@ def run_source(source: str, filename: str, namespace: dict[str, Any]) -> Any:
     return None
 
 
-def _describe(exc: BaseException, spec: RankSpec, host: str) -> dict[str, Any]:
+def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
     """A picklable report of ``exc``: type, message, cell line and the traceback from the cell."""
     tb = exc.__traceback__
     # Start the traceback at the cell: the worker's own frames are noise to the user.
@@ -135,16 +127,16 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> dict[str, Any]:
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     line_text = linecache.getline(spec.filename, line) if line else ""
     traceback.clear_frames(exc.__traceback__)
-    return {
-        "rank": spec.rank,
-        "host": host,
-        "exc_type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": text,
-        "line": line,
-        "line_text": line_text.rstrip("\n"),
-        "time": time.time(),
-    }
+    return RankFailure(
+        rank=spec.rank,
+        host=host,
+        exc_type=type(exc).__name__,
+        message=str(exc),
+        traceback=text,
+        line=line,
+        line_text=line_text.rstrip("\n"),
+        time=time.time(),
+    )
 
 
 def _picklable(value: Any) -> bool:
@@ -155,15 +147,14 @@ def _picklable(value: Any) -> bool:
     return True
 
 
-def run_rank(spec: RankSpec) -> dict[str, Any]:
-    """Run one rank of a cell; returns a report dict (never raises)."""
+def run_rank(spec: RankSpec) -> RankReport:
+    """Run one rank of a cell; returns its report (never raises)."""
     state = engine_state()
     backend = backends.load(spec.framework)
     host = socket.gethostname()
     start = time.perf_counter()
     namespace = {"__name__": "__main__"} if spec.fresh else session_namespace()
-    report: dict[str, Any] = {"rank": spec.rank, "host": host, "pid": os.getpid(), "ok": False}
-    failure = None
+    report = RankReport(rank=spec.rank, host=host, pid=os.getpid())
     publish = _publisher()
     recorder = Recorder(publish, autolog=spec.autolog, flush_s=flush_interval(spec.world_size))
     recorder.start()
@@ -184,18 +175,17 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
             namespace.update(spec.push)
             _figures_as_png(state)
             value = run_source(spec.source, spec.filename, namespace)
-            report["value"] = value if _picklable(value) else None
-            report["value_repr"] = None if value is None else _repr(value)
-            report["ok"] = True
+            report.value = value if _picklable(value) else None
+            report.value_repr = None if value is None else _repr(value)
             del value
             try:  # the cell itself succeeded: a wrong --pull name must not fail the rank
-                report["pulled"] = _pull(namespace, spec.pull, spec.rank) if spec.pull else {}
+                report.pulled = _pull(namespace, spec.pull, spec.rank) if spec.pull else {}
             except _PullError as e:
-                report["pull_error"] = str(e)
+                report.pull_error = str(e)
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
-        failure = _describe(exc, spec, host)
+        report.failure = _describe(exc, spec, host)
     finally:
-        with _sigint_ignored():
+        with sigint_ignored():
             where.close()
             state.recorder = None
             recorder.close()
@@ -203,10 +193,9 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
                 namespace.clear()
             sys.stdout.flush()
             sys.stderr.flush()
-    report["failure"] = failure
-    report["names"] = [] if spec.fresh else sorted(user_variables(namespace))
-    report["messages"] = recorder.messages
-    report["wall"] = time.perf_counter() - start
+    report.names = [] if spec.fresh else sorted(user_variables(namespace))
+    report.messages = recorder.messages
+    report.wall = time.perf_counter() - start
     return report
 
 
@@ -230,7 +219,7 @@ def drop_session(framework: str) -> list[str]:
     Destroying the group closes this rank's connections, which frees peers still blocked in a
     collective with it within about a second (SIGINT does not).
     """
-    with _sigint_ignored():
+    with sigint_ignored():
         dropped = clear(session_namespace())
         free_memory()
         backends.load(framework).recover(engine_state())

@@ -11,12 +11,14 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import worker
+from nbdist.engine.env import sigint_ignored
 from nbdist.engine.hardware import (
     busy_gpus_notice,
     gpu_holders,
@@ -84,12 +86,113 @@ class LocalCluster(RankedEngines):
         self.exposure_told = False  # --expose-tf's notice shown for this cluster
         # CurveZMQ on every controller socket (benchmarks/curve_cost.py turns it off to compare).
         self.curve = True
+        # A start begun at %load_ext (start_in_background): what it would have said, and how it
+        # ended, held for the first command that needs the cluster.
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._held: list[str] = []
+        self._shown_notify: Callable[[str], None] | None = None
+        self._background_error: BaseException | None = None
+        self._unconnected: int | None = None  # engines started in the background, no client yet
+
+    @property
+    def running(self) -> bool:
+        self._wait_background()
+        return self._client is not None
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self, n: int | None = None) -> None:
-        """Start a controller on loopback and ``n`` engines, and learn what each can use."""
+    def start_in_background(self, n: int | None = None) -> None:
+        """Begin :meth:`start` on a thread and return at once (``%load_ext nbdist``: the user
+        reads and types meanwhile).
+
+        Its notices are held, and its error too, for the first command that needs the cluster:
+        every other method waits for the start first (a Ctrl-C while waiting cancels it and
+        leaves no cluster, or the whole one if it had just finished). A kernel that exits
+        meanwhile stops what has started.
+        """
+        if self._thread is not None or self._client is not None:
+            return
+        self._cancel.clear()
+        self._held, self._background_error = [], None
+        self._shown_notify, self._notify = self._notify, self._held.append
+        self._thread = threading.Thread(
+            target=self._start_held, args=(n,), name="nbdist-prestart", daemon=True
+        )
+        atexit.register(self.stop)
+        self._thread.start()
+
+    def _start_held(self, n: int | None) -> None:
+        try:
+            self.start(n, connect=False)
+        except BaseException as e:  # noqa: B036 - held for the first command, raised there
+            self._background_error = e
+
+    def _wait_background(self, *, connect: bool = True) -> None:
+        """Wait for a background start to end; show what it said (in the cell that waits), and
+        connect the notebook's client to its engines (``connect``)."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        try:
+            while thread.is_alive():
+                thread.join(0.05)
+        except KeyboardInterrupt:
+            self._cancel.set()  # the start stops at its next step and stops what it started
+            with sigint_ignored():
+                thread.join()
+                self._end_background(show=False)
+                if self._unconnected is not None:  # launched before it saw the cancel
+                    self._unconnected = None
+                    self._stop()
+            raise
+        self._end_background(show=True)
+        n, self._unconnected = self._unconnected, None
+        if connect and n is not None and self._background_error is None:
+            try:
+                self._connect_engines(n)
+            except ClusterError as e:
+                self._background_error = e
+
+    def _end_background(self, *, show: bool) -> None:
+        self._thread = None
+        self._notify, self._shown_notify = self._shown_notify or self._notify, None
+        held, self._held = self._held, []
+        error, self._background_error = self._background_error, None
+        if isinstance(error, KeyboardInterrupt):  # cancelled: stopped already, nothing to say
+            return
+        if show:
+            for message in held:
+                self._notify(message)
+        if error is not None:
+            self._background_error = error  # for raise_background_error, once
+
+    @property
+    def background_error(self) -> BaseException | None:
+        """Why the background start failed (None if it did not, or was never begun)."""
+        self._wait_background()
+        return self._background_error
+
+    def raise_background_error(self) -> None:
+        """The error of a background start that failed, once (then a plain start works)."""
+        error = self.background_error
+        self._background_error = None
+        if error is not None:
+            raise error
+
+    def _checkpoint(self) -> None:
+        if self._cancel.is_set():
+            raise KeyboardInterrupt
+
+    def start(self, n: int | None = None, *, connect: bool = True) -> None:
+        """Start a controller on loopback and ``n`` engines, and learn what each can use.
+
+        Without ``connect`` (a background start), stop once the engines are launched: the
+        notebook's client is made in the thread that uses it (``_connect_engines``), as a client
+        made in another thread lost the engines' printed output here.
+        """
         if self.running:
             return
+        self._background_error = None  # a failed background start: this one tries again
         self.owned, self.source = True, LOCAL_SOURCE
         self.stale, self.exposure_told = None, False
         n = n or default_workers()
@@ -116,10 +219,12 @@ class LocalCluster(RankedEngines):
             self._cluster = cluster
             # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
             atexit.register(self.stop)
+            self._checkpoint()
             cluster.start_controller_sync()
             self._record_pids()
             self.network.ready()
             self._record_pids()
+            self._checkpoint()
             if not self.network.private:
                 self._notify(
                     f"nbdist: the workers share this machine's network ({self.network.reason}); "
@@ -129,22 +234,46 @@ class LocalCluster(RankedEngines):
                 self.preload, n, self.network
             )
             self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
+            self._checkpoint()
             cluster.start_engines_sync(n)
             self._record_pids()
-            self._client = cluster.connect_client_sync()
-            self._client.wait_for_engines(n, timeout=ENGINE_START_TIMEOUT_S, interactive=False)
-            self._learn_engines()
-        except Exception as e:
+            self._checkpoint()
+        except BaseException as e:  # an interrupt too: no half-started cluster stays behind
             self.stop()
-            raise ClusterError(
-                f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
-                "this kernel's environment, then run %distrain start again."
-            ) from e
+            if not isinstance(e, Exception):
+                raise
+            raise _start_failed(n, e) from e
+        if not connect:
+            self._unconnected = n
+            return
+        self._connect_engines(n)
         log.info("cluster with %d engines up in %.1f s", n, time.perf_counter() - start)
+
+    def _connect_engines(self, n: int) -> None:
+        try:
+            self._client = self._cluster.connect_client_sync()
+            self._learn_engines(self._new_ids(set(), n), timeout=ENGINE_START_TIMEOUT_S)
+        except BaseException as e:
+            self.stop()
+            if not isinstance(e, Exception):
+                raise
+            raise _start_failed(n, e) from e
 
     def stop(self) -> None:
         """Stop engines and controller; no process is left behind. A connected cluster (one
-        nbdist did not start) is only disconnected from: its engines keep running."""
+        nbdist did not start) is only disconnected from: its engines keep running.
+
+        An interrupt cannot cut it short (it takes about 2 s): a stop half done would leave
+        processes that nothing stops any more.
+        """
+        self._cancel.set()  # a background start still running stops at its next step
+        self._wait_background(connect=False)
+        self._cancel.clear()
+        self._background_error = self._unconnected = None
+        with sigint_ignored():
+            self._stop()
+
+    def _stop(self) -> None:
         if not self.owned:
             client, self._client, self._cluster = self._client, None, None
             self._forget_engines()
@@ -237,6 +366,7 @@ class LocalCluster(RankedEngines):
         )
 
     def restart(self, n: int | None = None) -> None:
+        self._wait_background()
         if not self.owned:
             raise ClusterError(self._not_ours())
         n = n or self.size or None
@@ -245,6 +375,7 @@ class LocalCluster(RankedEngines):
 
     def ensure(self, n: int | None) -> None:
         """Have a cluster of ``n`` engines (keep the running one when ``n`` is None or equal)."""
+        self.raise_background_error()
         if not self.running:
             self.start(n)
         elif not self.owned:
@@ -275,37 +406,55 @@ class LocalCluster(RankedEngines):
             self._notify(notice)
         n = n or self.size
         _check_gpus(n)
-        old = {e.engine_id for e in self.engines}
-        shutdown_engines(self._client, [e.pid for e in self.engines])
-        self._forget_engines()
-        self._cluster.stop_engines_sync()
-        self._record_pids()
-        # Engines killed a moment ago stay registered until the hub misses their heartbeats:
-        # counting them as the new ones sent the set-up to dead engines (EngineError).
+        old = set(self._client.ids)
+        try:
+            shutdown_engines(self._client, [e.pid for e in self.engines])
+            self._forget_engines()
+            self._cluster.stop_engines_sync()
+            self._record_pids()
+            self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
+                self.preload, n, self.network
+            )
+            self._cluster.start_engines_sync(n)
+            self._record_pids()
+            self._learn_engines(self._new_ids(old, n), timeout=ENGINE_START_TIMEOUT_S)
+        except BaseException as e:
+            # An interrupt, or engines that do not come back: no cluster rather than one with
+            # fewer engines than its pidfile and its ranks say. The next cell starts a new one.
+            self.stop()
+            if not isinstance(e, Exception):
+                raise
+            raise ClusterError(
+                f"the engines could not be replaced ({type(e).__name__}: {e}); the cluster was "
+                "stopped, and the next %%distrain (or %distrain start) starts a new one."
+            ) from e
+
+    def _new_ids(self, old: set[int], n: int) -> list[int]:
+        """The ids of ``n`` engines registered after ``old``, once all are there.
+
+        A killed engine stays listed for up to the heartbeat's 10 s: counting every id would let
+        a dead one plus a new one pass for two engines.
+        """
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while old & set(self._client.ids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
-            self.preload, n, self.network
-        )
-        self._cluster.start_engines_sync(n)
-        self._record_pids()
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while len(self._client.ids) != n:
+        while True:
+            self._checkpoint()
+            new = sorted(set(self._client.ids) - old)
+            if len(new) >= n:
+                return new[:n]
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"only {len(self._client.ids)} of {n} engines came back; run %distrain restart"
+                    f"only {len(new)} of {n} new engines registered within "
+                    f"{ENGINE_START_TIMEOUT_S} s"
                 )
             time.sleep(0.05)
-        self._learn_engines()
 
     def _forget_engines(self) -> None:
         self.engines = []
         self.warm = set()
         self.rendezvous = {}
 
-    def _learn_engines(self, timeout: float | None = None) -> None:
-        ids = sorted(self._client.ids)
+    def _learn_engines(self, ids: list[int] | None = None, *, timeout: float | None = None) -> None:
+        ids = sorted(self._client.ids) if ids is None else ids
         peer = LOOPBACK if self.owned else self._controller_host()
         infos = self._client[ids].apply_async(worker.engine_info, peer).get(timeout=timeout)
         engines = rank_engines(ids, settle_addresses(infos, local=LOOPBACK if self.owned else None))
@@ -368,6 +517,13 @@ def _engine_env(preload: str | None, n: int, network: Any) -> dict[str, str]:
         # threads later is not enough; measured here, 2 workers' steps were ~6% slower.
         env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
     return env
+
+
+def _start_failed(n: int, e: BaseException) -> ClusterError:
+    return ClusterError(
+        f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
+        "this kernel's environment, then run %distrain start again."
+    )
 
 
 def _check_gpus(n: int) -> None:

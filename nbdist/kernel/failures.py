@@ -119,6 +119,12 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
             f"The process group was rebuilt and the workers' variables were dropped{what}: "
             "re-run the cells that build them."
         )
+    if state == "stopped":  # clean-up that had to replace the engines was interrupted
+        what = f" ({', '.join(names)})" if names else ""
+        return (
+            f"The workers were stopped, and their variables{what} went with them: the next "
+            "%%distrain starts new workers; re-run the cells that build them."
+        )
     if state == "replaced":
         what = f" ({', '.join(names)})" if names else ""
         return connected_stale or (

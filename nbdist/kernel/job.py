@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import backends, worker
-from nbdist.engine.spec import RankSpec
+from nbdist.engine.spec import RankReport, RankSpec
 from nbdist.engine.waiting import WHERE_KEY
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import LocalCluster
@@ -71,7 +71,7 @@ class Outcome:
     ars: list[Any]
     watch: Watch
     wall: float
-    reports: dict[int, dict]  # by position
+    reports: dict[int, RankReport]  # by position
     failures: list[RankFailure]
     stopped: list[int]  # positions that had to be stopped
     history: list[dict[str, Any]]
@@ -169,7 +169,8 @@ class Job:
             except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
                 log.debug("a left-out rank could not join the group", exc_info=True)
         collect(outcome, self.specs, self.cluster)
-        expected = [outcome.reports.get(p, {}).get("messages", 0) for p in range(len(ars))]
+        reports = outcome.reports
+        expected = [reports[p].messages if p in reports else 0 for p in range(len(ars))]
         drain(self.stream, ars, expected)
         if watch.reason in (None, "failure") and not watch.stalled:
             # A collective with a timeout (TensorFlow's) fails when its peer finished the cell
@@ -390,14 +391,14 @@ def _where(ar: Any) -> dict[str, Any] | None:
 
 def _failure_type(ar: Any) -> str | None:
     try:
-        return ar.get(0)["failure"]["exc_type"]
+        return ar.get(0).failure.exc_type
     except Exception:
         return None
 
 
 def _failed(ar: Any) -> bool:
     try:
-        return ar.get(0)["failure"] is not None
+        return ar.get(0).failure is not None
     except Exception:
         return True
 
@@ -437,12 +438,12 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: LocalCluster) 
             )
             continue
         outcome.reports[pos] = report
-        f = report["failure"]
+        f = report.failure
         if f is not None:
-            if f["exc_type"] == "KeyboardInterrupt" and watch.interrupted:
+            if f.exc_type == "KeyboardInterrupt" and watch.interrupted:
                 outcome.stopped.append(spec.rank)
                 continue
-            outcome.failures.append(RankFailure(**f))
+            outcome.failures.append(f)
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
+from traitlets import Bool, observe
 
 from nbdist.engine.worker import run_source
 from nbdist.kernel import commands
@@ -227,9 +228,32 @@ def _interrupt_path(shell: Any) -> str | None:
     return f"api/kernels/{name[len('kernel-') : -len('.json')]}/interrupt"
 
 
+PRESTART_ENV = "NBDIST_PRESTART"
+
+
+def prestart_wanted(shell: Any, configured: bool) -> bool:
+    """Whether ``%load_ext nbdist`` starts the workers in the background: ``$NBDIST_PRESTART``
+    (0/1) when set, else the ``prestart`` trait, in a Jupyter kernel only (a terminal IPython or
+    a script has no one reading while the workers start)."""
+    env = os.environ.get(PRESTART_ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    return configured and getattr(shell, "kernel", None) is not None
+
+
 @magics_class
 class DistrainMagics(Magics):
     """Holds this kernel's cluster and session; one instance per ``%load_ext nbdist``."""
+
+    prestart = Bool(
+        True,
+        help="Start the workers in the background at %load_ext nbdist (in a Jupyter kernel), "
+        "so that the first %%distrain cell finds them warm. Set it in ipython_config.py, or "
+        "run %config DistrainMagics.prestart = False right after %load_ext to stop workers no "
+        "cell has used yet. NBDIST_PRESTART=0|1 in the environment overrides it.",
+    ).tag(config=True)
 
     def __init__(self, shell) -> None:
         super().__init__(shell)
@@ -238,6 +262,26 @@ class DistrainMagics(Magics):
         self.session.interrupt_path = _interrupt_path(shell)
         self.auto = False
         self._local = False  # inside a %%local cell: the auto prefix does not apply
+        self._prestarted = False  # workers started at %load_ext that no command has used yet
+
+    def start_in_background(self) -> bool:
+        """At ``%load_ext``: begin starting the default workers (torch preloaded when it is
+        installed; TensorFlow stays on demand) and return at once. Whether it began."""
+        if not prestart_wanted(self.shell, self.prestart):
+            return False
+        import importlib.util
+
+        self.cluster.preload = "torch" if importlib.util.find_spec("torch") else None
+        self.cluster.start_in_background()
+        self._prestarted = True
+        return True
+
+    @observe("prestart")
+    def _prestart_changed(self, change: Any) -> None:
+        # getattr: the shell's config sets the trait inside Magics.__init__, before ours runs.
+        if not change["new"] and getattr(self, "_prestarted", False):
+            self._prestarted = False
+            self.cluster.stop()
 
     def _export(self, path: str, force: bool) -> None:
         from nbdist.kernel.export import ExportError, export_script
@@ -262,6 +306,7 @@ class DistrainMagics(Magics):
 
     @line_cell_magic
     def distrain(self, line: str, cell: str | None = None):
+        self._prestarted = False
         if cell is None:
             return self._subcommand(line)
         opts = parse_run_options(line)
@@ -381,6 +426,9 @@ class DistrainMagics(Magics):
                 else "nbdist: auto off: cells run in the notebook again"
             )
         else:
+            error = cluster.background_error
+            if error is not None:
+                print(f"nbdist: the workers could not be started in the background: {error}")
             print("\n".join([cluster.status_text(), *commands.status_lines(session)]))
         return None
 

@@ -51,9 +51,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"%%distrain: {message}. Type %%distrain? for the flags and examples.")
 
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        raise UsageError(message or f"%%distrain: exited with status {status}")
-
 
 def _names(flag: str):
     def parse(text: str) -> tuple[str, ...]:

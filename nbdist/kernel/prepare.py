@@ -56,8 +56,10 @@ def check_flags(opts: RunOptions, framework: str) -> None:
         )
 
 
-def check_gpus(cluster: LocalCluster, opts: RunOptions) -> None:
-    if opts.backend == "nccl" and not any(e.gpu for e in cluster.engines):
+def check_gpus(opts: RunOptions, *, gpus: bool) -> None:
+    """``--backend nccl`` where the workers have no GPU (``gpus``): before a local cluster
+    starts, whether this machine has any; on a running one, whether its engines do."""
+    if opts.backend == "nccl" and not gpus:
         raise UsageError(
             "%%distrain: --backend nccl needs GPUs and this cluster has none. "
             "Use --backend gloo, or drop --backend to get gloo on CPU."

@@ -161,10 +161,12 @@ class Session:
         if opts.workers is not None or not cluster.running:  # known before touching the cluster
             expected = opts.workers or default_workers()
             _check_ranks(opts, backends.load(framework).workers_used(options, expected))
+        if not cluster.running:
+            prepare.check_gpus(opts, gpus=bool(visible_gpus()))
         cluster.preload = framework  # engines started from here on import it as they start
         cluster.ensure(opts.workers)
         self.note_engines("the workers were restarted or resized")
-        prepare.check_gpus(cluster, opts)
+        prepare.check_gpus(opts, gpus=any(e.gpu for e in cluster.engines))
         available = cluster.size
         if opts.workers is not None:  # a connected cluster may have more engines than asked for
             available = min(opts.workers, available)
@@ -233,8 +235,11 @@ class Session:
         self.cluster.rendezvous.pop(framework, None)  # whatever the ranks did: a new group
         names: list[str] = []
         try:
-            self.cluster.interrupt(job.ranks)
-            names = failures.drop(self.cluster, framework, list(range(self.cluster.size)))
+            # Not when clean-up replaced the engines and was interrupted: the cluster is stopped
+            # then (see LocalCluster.replace_engines), and the next cell starts a new one.
+            if self.cluster.running and max(job.ranks) < self.cluster.size:
+                self.cluster.interrupt(job.ranks)
+                names = failures.drop(self.cluster, framework, list(range(self.cluster.size)))
         except KeyboardInterrupt:  # yet another: the rendezvous is gone already, that is enough
             pass
         lost = sorted({*names, *self.variables})
@@ -243,7 +248,8 @@ class Session:
             "interrupted (Stop button or Kernel > Interrupt); stopped ranks "
             f"{', '.join(map(str, job.ranks))}."
         )
-        error.state = failures.state_line("dropped", lost, connected_stale=self.cluster.stale)
+        state = "dropped" if self.cluster.running else "stopped"
+        error.state = failures.state_line(state, lost, connected_stale=self.cluster.stale)
         return error
 
     def _finish(
@@ -289,7 +295,7 @@ class Session:
             raise error
         reports = outcome.reports
         if not opts.fresh:
-            names = reports[0]["names"]
+            names = reports[0].names
             self.variables = names if opts.on is None else sorted({*self.variables, *names})
         self.cells.append(
             CellRecord(
@@ -305,10 +311,10 @@ class Session:
             )  # fmt: skip
         )
         result = _result(outcome, framework)
-        pull_errors = [r["pull_error"] for r in reports.values() if r.get("pull_error")]
+        pull_errors = [r.pull_error for r in reports.values() if r.pull_error]
         if pull_errors:
             raise UsageError(f"%%distrain: {pull_errors[0]} (the cell itself ran).")
-        user_ns.update(reports[0].get("pulled") or {})
+        user_ns.update(reports[0].pulled)
         return result, shown_value(result)
 
 
@@ -321,10 +327,10 @@ def _result(outcome: Outcome, framework: str) -> DistrainResult:
         ranks=tuple(
             RankResult(
                 rank=rank,
-                host=reports[p]["host"],
-                value=reports[p]["value"],
-                value_repr=reports[p]["value_repr"],
-                wall=reports[p]["wall"],
+                host=reports[p].host,
+                value=reports[p].value,
+                value_repr=reports[p].value_repr,
+                wall=reports[p].wall,
                 stdout=outcome.ars[p].stdout or "",
                 stderr=outcome.ars[p].stderr or "",
             )

@@ -112,17 +112,22 @@ def test_rank_env_is_exact_and_restored(ready, magics):
 
 
 def test_group_sockets_stay_on_loopback(ready, magics):
-    """Every rank of a local job has gloo's and NCCL's bootstrap interface set to loopback, and
-    runs in the cluster's private network namespace (only ``lo``)."""
-    ready.run_cell_magic("distrain", "--framework torch", "x = rank\n")
+    """Every rank of a local job has gloo's and NCCL's bootstrap interface set to loopback while
+    it runs (and not after: the engine's environment is restored), and runs in the cluster's
+    private network namespace (only ``lo``)."""
     read = (
         "({k: __import__('os').environ.get(k) for k in ('GLOO_SOCKET_IFNAME', "
         "'NCCL_SOCKET_IFNAME')}, [l.split(':')[0].strip() for l in "
         "open('/proc/self/net/dev').readlines()[2:]])"
     )
+    ready.run_cell_magic("distrain", "--framework torch -o res", read + "\n")
+    assert ready.user_ns["res"].values == [
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+    ]
     assert [magics.cluster.apply_async(r, eval, read).get(10) for r in (0, 1)] == [
-        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
-        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, ["lo"]),
     ]
 
 

@@ -1,5 +1,9 @@
+import psutil
 import pytest
 from IPython.core.error import UsageError
+
+from nbdist.engine.hardware import visible_gpus
+from nbdist.kernel.magic import DistrainMagics
 
 
 def test_docstring_teaches(shell):
@@ -23,34 +27,74 @@ def test_bad_subcommands(shell, line, expected):
     assert expected in str(info.value)
 
 
-def test_cell_errors_before_any_engine_starts(shell, magics):
-    running = magics.cluster.running
+@pytest.fixture
+def stopped(shell):
+    """A DistrainMagics of its own on the test shell: its cluster has never started, whatever
+    other test files did with the session-wide one. Yields it and a check that no process was
+    started meanwhile."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    magics = DistrainMagics(shell)
+
+    def nothing_started():
+        assert not magics.cluster.running
+        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert not started, f"processes started: {started}"
+
+    yield magics, nothing_started
+    magics.close()
+
+
+def test_cell_errors_before_any_engine_starts(shell, stopped):
+    magics, nothing_started = stopped
+
+    def cell(line, source):
+        return magics.distrain(line, source)
+
     with pytest.raises(UsageError, match="syntax error at cell line 1"):
-        shell.run_cell_magic("distrain", "", "for\n")
+        cell("", "for\n")
     with pytest.raises(UsageError, match="the cell is empty"):
-        shell.run_cell_magic("distrain", "", "\n")
+        cell("", "\n")
     with pytest.raises(UsageError, match="--push nothere: no variable 'nothere'"):
-        shell.run_cell_magic("distrain", "--push nothere", "import torch\n")
+        cell("--push nothere", "import torch\n")
     shell.user_ns["gen"] = (i for i in range(3))
     with pytest.raises(UsageError, match="--push gen: a generator cannot be sent"):
-        shell.run_cell_magic("distrain", "--push gen", "import torch\n")
+        cell("--push gen", "import torch\n")
     with pytest.raises(UsageError, match="--backend is for torch cells; drop it for tf"):
-        shell.run_cell_magic("distrain", "--backend gloo", "import tensorflow\n")
+        cell("--backend gloo", "import tensorflow\n")
     with pytest.raises(UsageError, match="--strategy is for TensorFlow cells"):
-        shell.run_cell_magic("distrain", "--strategy mirrored --framework torch", "x = 1\n")
+        cell("--strategy mirrored --framework torch", "x = 1\n")
     with pytest.raises(UsageError, match="uses both tf and torch.*Add --framework torch"):
-        shell.run_cell_magic("distrain", "", "import torch, tensorflow\n")
-    assert magics.cluster.running == running
+        cell("", "import torch, tensorflow\n")
+    with pytest.raises(UsageError, match="--ranks 2 does not exist; ranks go from 0 to 1"):
+        cell("-n 2 --ranks 2", "x = 1\n")
+    with pytest.raises(UsageError, match="--on 5 does not exist; ranks go from 0 to 1"):
+        cell("--on 5", "x = 1\n")
+    nothing_started()
 
 
-def test_check_only_and_check_subcommand(shell, magics, capsys):
-    running = magics.cluster.running
-    shell.run_cell_magic("distrain", "--check-only", "dist.init_process_group('nccl')\n")
+@pytest.mark.skipif(bool(visible_gpus()), reason="this machine has GPUs: nccl is fine")
+def test_nccl_without_gpus_on_a_stopped_cluster_starts_nothing(stopped):
+    magics, nothing_started = stopped
+    with pytest.raises(UsageError, match="--backend nccl needs GPUs and this cluster has none"):
+        magics.distrain("--backend nccl", "x = 1\n")
+    nothing_started()
+
+
+def test_check_only_and_check_subcommand(shell, stopped, capsys):
+    magics, nothing_started = stopped
+    magics.distrain("--check-only", "dist.init_process_group('nccl')\n")
     out = capsys.readouterr().out
     assert "nbdist check [nccl-without-gpu] cell line 1:" in out
     shell.user_ns["snippet"] = "model = nn.DataParallel(net)\nmodel = DDP(model)\n"
-    shell.run_line_magic("distrain", "check snippet")
+    magics.distrain("check snippet")
     assert "nbdist check [dataparallel-in-ddp] cell line 1:" in capsys.readouterr().out
-    shell.run_line_magic("distrain", "check x = 1")
+    magics.distrain("check x = 1")
     assert capsys.readouterr().out == "nbdist check: no distributed-training mistakes found\n"
-    assert magics.cluster.running == running
+    nothing_started()
+
+
+def test_a_line_that_cannot_be_split(stopped):
+    magics, nothing_started = stopped
+    with pytest.raises(UsageError, match='%distrain: cannot split "push \'a" \\(No closing'):
+        magics.distrain("push 'a")
+    nothing_started()

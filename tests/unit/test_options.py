@@ -38,6 +38,8 @@ def test_every_flag():
         ("--pull ,", "--pull takes comma-separated variable names"),
         ("-o 'a b'", "-o needs a variable name, got 'a b'"),
         ("--ranks -1", "expected ranks like 0 or 0,1"),
+        ("--smooth strong", "--smooth: expected a number like 0.1, got 'strong'"),
+        ("--smooth 0", "--smooth: must be in (0, 1], got '0'"),
         ("--timeout 0", "must be positive"),
         ("--timeout soon", "expected seconds, got 'soon'"),
         ("--push 'a", "cannot split the flags"),

@@ -9,21 +9,19 @@ from nbdist.engine.backends import torch_ddp
 
 def test_local_job_keeps_gloo_and_nccl_on_loopback(monkeypatch):
     monkeypatch.setattr(torch_ddp, "_loopback_interface", lambda: "lo")
-    assert torch_ddp.socket_ifnames("127.0.0.1", {}) == {
+    assert torch_ddp.socket_ifnames("127.0.0.1", {}, None) == {
         "GLOO_SOCKET_IFNAME": "lo",
         "NCCL_SOCKET_IFNAME": "lo",
     }
-    assert torch_ddp.socket_ifnames("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {
+    assert torch_ddp.socket_ifnames("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}, None) == {
         "GLOO_SOCKET_IFNAME": "lo"
     }
 
 
 def test_multi_host_job_sets_gloo_only(monkeypatch):
-    monkeypatch.setattr(hardware, "own_address", "10.0.0.2")
     monkeypatch.setattr(hardware, "interface_of", lambda a: {"10.0.0.2": "eth1"}[a])
-    assert torch_ddp.socket_ifnames("10.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "eth1"}
-    monkeypatch.setattr(hardware, "own_address", None)
-    assert torch_ddp.socket_ifnames("10.0.0.1", {}) == {}
+    assert torch_ddp.socket_ifnames("10.0.0.1", {}, "10.0.0.2") == {"GLOO_SOCKET_IFNAME": "eth1"}
+    assert torch_ddp.socket_ifnames("10.0.0.1", {}, None) == {}
 
 
 def test_loopback_interface_is_found():

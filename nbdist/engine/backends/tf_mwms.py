@@ -29,7 +29,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import hardware
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import EngineState
 
@@ -112,7 +111,7 @@ def prepare(
             }
     if "port" not in slot:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((hardware.own_address or "127.0.0.1", 0))
+            s.bind((state.address or "127.0.0.1", 0))
             slot["port"] = s.getsockname()[1]
     return {"port": slot["port"]}
 
@@ -215,13 +214,10 @@ def _session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     elif mode == "mirrored":
         strategy = tf.distribute.MirroredStrategy()
     else:
+        # The same TF_CONFIG as any earlier strategy in this process (new ports on live engines
+        # hang silently): each engine keeps its port and address, and a job of another size
+        # gets the engines replaced first (prepare's "restart").
         tf_config = os.environ["TF_CONFIG"]
-        configured = slot.get("tf_config")
-        if configured is not None and configured != tf_config:
-            raise RuntimeError(
-                f"rank {spec.rank}: this engine's TensorFlow collectives were set up for another "
-                "cluster and cannot be changed in a running process. Run %distrain restart."
-            )
         implementation = (
             tf.distribute.experimental.CommunicationImplementation.NCCL
             if gpus

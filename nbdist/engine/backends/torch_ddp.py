@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from nbdist.engine import hardware
+from nbdist.engine.env import patch_environment
 from nbdist.engine.spec import RankSpec
 from nbdist.engine.state import EngineState
 
@@ -127,7 +128,9 @@ def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> l
     ]
 
 
-def socket_ifnames(master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
+def socket_ifnames(
+    master_addr: str, environ: Mapping[str, str], own_address: str | None
+) -> dict[str, str]:
     """The ``*_SOCKET_IFNAME`` variables a rank sets before its group starts (none the user set).
 
     A local job (every rank on this host, ``MASTER_ADDR`` on loopback) keeps gloo's and NCCL's
@@ -139,8 +142,7 @@ def socket_ifnames(master_addr: str, environ: Mapping[str, str]) -> dict[str, st
         iface = _loopback_interface()
         names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     else:
-        own = hardware.own_address
-        iface = hardware.interface_of(own) if own else None
+        iface = hardware.interface_of(own_address) if own_address else None
         names = ("GLOO_SOCKET_IFNAME",)
     if iface is None:
         return {}
@@ -163,35 +165,38 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
     backend = spec.options.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
     port = int(os.environ["MASTER_PORT"])
     addr = os.environ["MASTER_ADDR"]
-    if not (dist.is_initialized() and slot.get("port") == port):
-        if dist.is_initialized():
-            _teardown(slot)
-        for name, value in socket_ifnames(addr, os.environ).items():
-            os.environ[name] = value
-        store = slot.get("store")
-        if store is None:
-            store = dist.TCPStore(
-                addr,
-                port,
-                spec.world_size,
-                False,
+    same_group = dist.is_initialized() and slot.get("port") == port
+    # Set for every run on the group (NCCL reads its variable when a communicator starts, which
+    # may be at a cell's first collective) and restored after it, as the rank's own env is.
+    ifnames = slot["ifnames"] if same_group else socket_ifnames(addr, os.environ, state.address)
+    with patch_environment(ifnames):
+        if not same_group:
+            if dist.is_initialized():
+                _teardown(slot)
+            store = slot.get("store")
+            if store is None:
+                store = dist.TCPStore(
+                    addr,
+                    port,
+                    spec.world_size,
+                    False,
+                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                )
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=spec.rank,
+                world_size=spec.world_size,
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        slot.update(port=port, store=store, backend=backend)
-    if backend == "nccl":
-        torch.cuda.set_device(0)  # each engine sees exactly its own GPU, as device 0
-        device = torch.device("cuda", 0)
-    else:
-        device = torch.device("cpu")
-    with _owned_process_group(slot["backend"], device), _autolog(state.recorder):
-        yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
+            slot.update(port=port, store=store, backend=backend, ifnames=ifnames)
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # each engine sees exactly its own GPU, as device 0
+            device = torch.device("cuda", 0)
+        else:
+            device = torch.device("cpu")
+        with _owned_process_group(slot["backend"], device), _autolog(state.recorder):
+            yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
 
 
 @contextmanager
