@@ -121,6 +121,8 @@ def test_panel_in_place_then_the_static_figure_in_the_same_place():
     widgets = live.dashboard.box
     summary = live.finish(history, ["done", "done"], wall=3.0, framework="torch")
     assert summary.startswith("nbdist: final loss")
+    # nbval reads no display updates: every state of the place has the same text/plain
+    assert {bundle["text/plain"] for bundle, _, _ in spy.calls} == {PANEL_TEXT}
     (final,) = spy.shown  # one output, all along: the figure took the widgets' place
     assert final["image/png"].startswith(b"\x89PNG") and final["text/plain"] == FIGURE_TEXT
     assert len({display_id for _, display_id, _ in spy.calls}) == 1
