@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 transport.append(r)
                 sys.stderr.write(f"transport {n}: {json.dumps(r)}\n")
     result = {
-        "machine": f"{platform.machine()}, {platform.processor() or '?'}, Python "
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),
         "seconds": args.seconds,
