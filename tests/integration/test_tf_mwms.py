@@ -334,7 +334,9 @@ def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(tf_ready,
         "batches from). TensorFlow's collective timeout (15 s) freed rank 0: the engines are "
         "the same."
     )
-    assert elapsed < 15 + 5
+    # The collective timeout, then up to 2 s for the ranks' last output and 2 s for their last
+    # metrics (a clean-clone run took 20.1 s with the job itself at 15.2 s).
+    assert elapsed < 15 + 8
     assert [e.pid for e in magics.cluster.engines] == pids
     tf_ready.run_cell_magic("distrain", "-o res", "strategy.num_replicas_in_sync\n")
     assert tf_ready.user_ns["res"].values == [2, 2]
