@@ -363,6 +363,6 @@ class LiveView:
                 png = dashboard.image.value  # the live figure is up to date: no second render
             else:
                 png = self._figure().png(self.agg, self.smoothing, self.logy)
-            self._show({"image/png": png, "text/plain": FIGURE_TEXT})
+            self._show({"image/png": png, "text/plain": PANEL_TEXT})
         logy = self.plot and use_log_scale(self.agg, self.logy)
         return self.agg.summary(wall, framework, detail, logy=logy)

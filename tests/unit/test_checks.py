@@ -308,14 +308,16 @@ def test_no_false_alarms_on_correct_cells(where, source):
     assert check_source(source, CPU) == []
 
 
-def test_every_pointer_names_a_section_of_tutorial_04():
+def _pointers_and_headings(constant: str) -> tuple[set[str], set[str]]:
+    """The sections the checker's messages name after ``{constant}``, and the headings of the
+    tutorial that constant names."""
     import re
 
     from nbdist.kernel import checks
 
     source = Path(checks.__file__).read_text()
-    sections = set(re.findall(r"see \{TUTORIAL\}, '([^']+)'", source))
-    nb = nbformat.read(Path(__file__).parents[2] / checks.TUTORIAL, as_version=4)
+    sections = set(re.findall(r"see \{" + constant + r"\}, '([^']+)'", source))
+    nb = nbformat.read(Path(__file__).parents[2] / getattr(checks, constant), as_version=4)
     headings = {
         line.lstrip("#").strip()
         for cell in nb.cells
@@ -323,24 +325,16 @@ def test_every_pointer_names_a_section_of_tutorial_04():
         for line in cell.source.splitlines()
         if line.startswith("#")
     }
+    return sections, headings
+
+
+def test_every_pointer_names_a_section_of_tutorial_04():
+    sections, headings = _pointers_and_headings("TUTORIAL")
     assert len(sections) == 8
     assert sections <= headings, sections - headings
 
 
 def test_every_pointer_to_tutorial_08_names_one_of_its_sections():
-    import re
-
-    from nbdist.kernel import checks
-
-    source = Path(checks.__file__).read_text()
-    sections = set(re.findall(r"see \{RANKS_TUTORIAL\}, '([^']+)'", source))
-    nb = nbformat.read(Path(__file__).parents[2] / checks.RANKS_TUTORIAL, as_version=4)
-    headings = {
-        line.lstrip("#").strip()
-        for cell in nb.cells
-        if cell.cell_type == "markdown"
-        for line in cell.source.splitlines()
-        if line.startswith("#")
-    }
+    sections, headings = _pointers_and_headings("RANKS_TUTORIAL")
     assert sections == {"One process per rank", "Uneven inputs"}
     assert sections <= headings, sections - headings
