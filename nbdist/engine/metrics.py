@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbdist.engine import ticker
 from nbdist.engine.state import engine_state
 
 KEY_PREFIX = "nbdist-"
@@ -70,28 +71,23 @@ class Recorder:
         self._buffer: list[Point] = []
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._flusher: threading.Thread | None = None
+        self._tick: ticker.Tick | None = None
 
     def start(self) -> None:
-        """Flush every ``flush_s`` from a thread too, so the last points before a rank blocks
-        (in a collective, a sleep) reach the notebook instead of waiting for the next log."""
-        self._flusher = threading.Thread(
-            target=self._flush_loop, name="nbdist-metrics", daemon=True
-        )
-        self._flusher.start()
+        """Flush every ``flush_s`` from the engine's ticker thread too, so the last points
+        before a rank blocks (in a collective, a sleep) reach the notebook instead of waiting for
+        the next log."""
+        self._tick = ticker.every(self.flush_s, self._flush_if_due)
 
     def close(self) -> None:
-        """Stop the flusher thread and send what is left."""
-        self._stop.set()
-        if self._flusher is not None:
-            self._flusher.join()
+        """Stop the periodic flush and send what is left."""
+        if self._tick is not None:
+            self._tick.cancel()
         self.flush()
 
-    def _flush_loop(self) -> None:
-        while not self._stop.wait(self.flush_s):
-            if time.monotonic() - self._last_flush >= self.flush_s:
-                self.flush()
+    def _flush_if_due(self) -> None:
+        if time.monotonic() - self._last_flush >= self.flush_s:
+            self.flush()
 
     def log(self, step: int | None = None, **metrics: Any) -> None:
         """Record ``metrics`` (e.g. ``loss=..., samples=...``) for this rank at ``step``."""

@@ -20,6 +20,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from nbdist.engine import ticker
+
 WHERE_KEY = "nbdist~where"
 SAMPLE_S = 0.5
 
@@ -54,25 +56,23 @@ class WhereReporter:
         self._publish = publish
         self._filename = filename
         self._thread_id = threading.get_ident()  # the thread that runs the cell
-        self._stop = threading.Event()
-        self._sampler: threading.Thread | None = None
+        self._seen: dict[str, Any] | None = None
+        self._published: dict[str, Any] | None = None
+        self._tick: ticker.Tick | None = None
 
     def start(self) -> None:
-        self._sampler = threading.Thread(target=self._loop, name="nbdist-where", daemon=True)
-        self._sampler.start()
+        self._tick = ticker.every(SAMPLE_S, self._sample)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._sampler is not None:
-            self._sampler.join()
+        """Stop sampling; nothing is published after this returns."""
+        if self._tick is not None:
+            self._tick.cancel()
 
-    def _loop(self) -> None:
-        seen = published = None
-        while not self._stop.wait(SAMPLE_S):
-            frame = sys._current_frames().get(self._thread_id)
-            now = place(frame, self._filename) if frame is not None else None
-            del frame
-            if now is not None and now == seen and now != published:
-                self._publish({WHERE_KEY: now})
-                published = now
-            seen = now
+    def _sample(self) -> None:
+        frame = sys._current_frames().get(self._thread_id)
+        now = place(frame, self._filename) if frame is not None else None
+        del frame
+        if now is not None and now == self._seen and now != self._published:
+            self._publish({WHERE_KEY: now})
+            self._published = now
+        self._seen = now
