@@ -89,7 +89,7 @@ class LocalCluster(RankedEngines):
         # A start begun at %load_ext (start_in_background): what it would have said, and how it
         # ended, held for the first command that needs the cluster.
         self._thread: threading.Thread | None = None
-        self._cancel = threading.Event()
+        self._cancel: threading.Event | None = None  # set: that background start stops
         self._held: list[str] = []
         self._shown_notify: Callable[[str], None] | None = None
         self._background_error: BaseException | None = None
@@ -112,18 +112,20 @@ class LocalCluster(RankedEngines):
         """
         if self._thread is not None or self._client is not None:
             return
-        self._cancel.clear()
+        # Its own cancel flag, read by that thread only: a start in the notebook's thread
+        # after it never sees a cancel meant for it.
+        self._cancel = threading.Event()
         self._held, self._background_error = [], None
         self._shown_notify, self._notify = self._notify, self._held.append
         self._thread = threading.Thread(
-            target=self._start_held, args=(n,), name="nbdist-prestart", daemon=True
+            target=self._start_held, args=(n, self._cancel), name="nbdist-prestart", daemon=True
         )
         atexit.register(self.stop)
         self._thread.start()
 
-    def _start_held(self, n: int | None) -> None:
+    def _start_held(self, n: int | None, cancel: threading.Event) -> None:
         try:
-            self.start(n, connect=False)
+            self.start(n, connect=False, cancel=cancel)
         except BaseException as e:  # noqa: B036 - held for the first command, raised there
             self._background_error = e
 
@@ -137,7 +139,7 @@ class LocalCluster(RankedEngines):
             while thread.is_alive():
                 thread.join(0.05)
         except KeyboardInterrupt:
-            self._cancel.set()  # the start stops at its next step and stops what it started
+            self._cancel_background()  # it stops at its next step and stops what it started
             with sigint_ignored():
                 thread.join()
                 self._end_background(show=False)
@@ -153,8 +155,12 @@ class LocalCluster(RankedEngines):
             except ClusterError as e:
                 self._background_error = e
 
+    def _cancel_background(self) -> None:
+        if self._cancel is not None:
+            self._cancel.set()
+
     def _end_background(self, *, show: bool) -> None:
-        self._thread = None
+        self._thread, self._cancel = None, None
         self._notify, self._shown_notify = self._shown_notify or self._notify, None
         held, self._held = self._held, []
         error, self._background_error = self._background_error, None
@@ -179,17 +185,21 @@ class LocalCluster(RankedEngines):
         if error is not None:
             raise error
 
-    def _checkpoint(self) -> None:
-        if self._cancel.is_set():
-            raise KeyboardInterrupt
-
-    def start(self, n: int | None = None, *, connect: bool = True) -> None:
+    def start(
+        self, n: int | None = None, *, connect: bool = True, cancel: threading.Event | None = None
+    ) -> None:
         """Start a controller on loopback and ``n`` engines, and learn what each can use.
 
         Without ``connect`` (a background start), stop once the engines are launched: the
         notebook's client is made in the thread that uses it (``_connect_engines``), as a client
-        made in another thread lost the engines' printed output here.
+        made in another thread lost the engines' printed output here. ``cancel`` (a background
+        start's): once set, the start stops at its next step, and stops what it started.
         """
+
+        def checkpoint() -> None:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt
+
         if self.running:
             return
         self._background_error = None  # a failed background start: this one tries again
@@ -217,14 +227,13 @@ class LocalCluster(RankedEngines):
             self._record_pids()
             cluster = _ipp_cluster(n, curve=self.curve, network=self.network)
             self._cluster = cluster
-            # Registered after ipyparallel's own handler, so it runs first (atexit is LIFO).
-            atexit.register(self.stop)
-            self._checkpoint()
+            atexit.register(self.stop)  # the only exit handler: the cluster has shutdown_atexit off
+            checkpoint()
             cluster.start_controller_sync()
             self._record_pids()
             self.network.ready()
             self._record_pids()
-            self._checkpoint()
+            checkpoint()
             if not self.network.private:
                 self._notify(
                     f"nbdist: the workers share this machine's network ({self.network.reason}); "
@@ -234,10 +243,10 @@ class LocalCluster(RankedEngines):
                 self.preload, n, self.network
             )
             self.network.link(wait_for_files(cluster.controller, CONNECTION_FILES_TIMEOUT_S))
-            self._checkpoint()
+            checkpoint()
             cluster.start_engines_sync(n)
             self._record_pids()
-            self._checkpoint()
+            checkpoint()
         except BaseException as e:  # an interrupt too: no half-started cluster stays behind
             self.stop()
             if not isinstance(e, Exception):
@@ -266,9 +275,8 @@ class LocalCluster(RankedEngines):
         An interrupt cannot cut it short (it takes about 2 s): a stop half done would leave
         processes that nothing stops any more.
         """
-        self._cancel.set()  # a background start still running stops at its next step
+        self._cancel_background()  # a background start still running stops at its next step
         self._wait_background(connect=False)
-        self._cancel.clear()
         self._background_error = self._unconnected = None
         with sigint_ignored():
             self._stop()
@@ -283,6 +291,7 @@ class LocalCluster(RankedEngines):
             return
         cluster, client = self._cluster, self._client
         pids = [e.pid for e in self.engines]
+        self._record_pids()  # what runs now is waited for (and killed if it stays) at the end
         self._cluster = self._client = None
         atexit.unregister(self.stop)
         self._forget_engines()
@@ -437,7 +446,6 @@ class LocalCluster(RankedEngines):
         """
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
-            self._checkpoint()
             new = sorted(set(self._client.ids) - old)
             if len(new) >= n:
                 return new[:n]
@@ -501,6 +509,11 @@ def _ipp_cluster(n: int, *, curve: bool, network: Any) -> Any:
         log_level=logging.ERROR,
         config=config,
         load_profile=False,
+        # LocalCluster.stop (atexit) stops it, the reaper if the kernel dies. ipyparallel's own
+        # exit handler would run first when its first controller starts after our stop was
+        # registered, and stop it from under a background start still running: the controller
+        # stayed behind (kernel shut down 1 s after %load_ext).
+        shutdown_atexit=False,
     )
 
 

@@ -70,18 +70,29 @@ def test_a_first_cell_with_another_size_resizes(prestarting, capsys):
 def test_a_failed_background_start_is_shown_in_status_and_the_first_cell(
     prestarting, monkeypatch, capsys
 ):
-    monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 0.01)
+    # Engines that exit at once never register (a 0.01 s timeout instead raced with engines
+    # fast enough to register, and then failed elsewhere with another message).
+    real = cluster_module._ipp_cluster
+
+    def engines_that_exit(*args, **kwargs):
+        ipp_cluster = real(*args, **kwargs)
+        ipp_cluster.config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-c", "0"]
+        return ipp_cluster
+
+    monkeypatch.setattr(cluster_module, "_ipp_cluster", engines_that_exit)
+    monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 1)
     with no_process_left():
         prestarting.start_in_background()
         prestarting.distrain("status")
         out = capsys.readouterr().out
         assert (
             "nbdist: the workers could not be started in the background: could not start 2 "
-            "local engines: only 0 of 2 new engines registered within 0.01 s" in out
+            "local engines: only 0 of 2 new engines registered within 1 s" in out
         )
         assert "nbdist: no cluster running. %distrain start [-n N] starts one." in out
         with pytest.raises(ClusterError, match="could not start 2 local engines"):
             prestarting.distrain("", "x = 1\n")
+    monkeypatch.setattr(cluster_module, "_ipp_cluster", real)
     monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 120)
     with no_process_left():
         prestarting.distrain("-o res", "world_size\n")  # the error was shown: this one starts
@@ -112,6 +123,45 @@ def test_interrupt_while_the_first_cell_waits_for_the_start(prestarting, monkeyp
             prestarting.distrain("", "x = 1\n")
         assert not prestarting.cluster.running
     monkeypatch.setattr(cluster_module, "_ipp_cluster", real)
+    with no_process_left():
+        prestarting.distrain("-o res", "world_size\n")  # the next cell starts workers
+        assert prestarting.shell.user_ns["res"].values == [2, 2]
+        prestarting.close()
+
+
+def test_interrupt_just_after_the_background_start_ended(prestarting, monkeypatch):
+    """The SIGINT lands after the background start's last step (its engines launched, nothing
+    left for it to cancel): the notebook's thread stops those engines, and the next cell starts
+    afresh (a cancel flag shared by both starts used to stop it at its first step)."""
+    cluster = prestarting.cluster
+    real = cluster.start
+    told = threading.Event()
+
+    def start_then_interrupt(*args, **kwargs):
+        real(*args, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this one
+            told.wait(10)  # the thread ends only once the interrupt was taken
+
+    monkeypatch.setattr(cluster, "start", start_then_interrupt)
+    real_join = threading.Thread.join
+
+    def join(self, timeout=None):  # the main thread's wait, interrupted by the SIGINT
+        try:
+            return real_join(self, timeout)
+        except KeyboardInterrupt:
+            told.set()
+            raise
+
+    monkeypatch.setattr(threading.Thread, "join", join)
+    with no_process_left():
+        prestarting.start_in_background()
+        with pytest.raises(KeyboardInterrupt):
+            prestarting.distrain("", "x = 1\n")
+        assert told.is_set()
+        assert not cluster.running
+    monkeypatch.undo()
+    monkeypatch.setenv(PRESTART_ENV, "1")
     with no_process_left():
         prestarting.distrain("-o res", "world_size\n")  # the next cell starts workers
         assert prestarting.shell.user_ns["res"].values == [2, 2]
