@@ -25,8 +25,10 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from nbdist.errors import ClusterError
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 # process across reads; a different process with the same PID differs by at least a tick.
 CREATE_TIME_SLACK_S = 0.005
 MAX_RECORD_BYTES = 1 << 16
+STOP_GRACE_S = 3.0  # for a stopped cluster's processes to exit before they are killed
 
 Proc = tuple[int, float]
 
@@ -107,21 +110,46 @@ def same_process(proc: Proc) -> bool:
         return False
 
 
-def kill_tree(proc: Proc) -> bool:
-    """SIGKILL a process and all its descendants, if it is still the process recorded."""
+def tree_of(proc: Proc) -> list:
+    """What is left of the process ``proc`` (psutil processes): itself if it still runs, its
+    descendants, and the processes still in the session it leads. ipyparallel starts each
+    controller and engine in a session of its own; a controller stopped while it starts exits
+    before its scheduler children, which then belong to no parent but stay in that session."""
     import psutil
 
-    if not same_process(proc):
-        return False
+    pid, created = proc
+    out = {}
+    if same_process(proc):
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            out = {p.pid: p for p in (root, *root.children(recursive=True))}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            # A session's id is its leader's PID, never given to a new process while the
+            # session has members; born after the leader: not an older process that was there.
+            if os.getsid(p.pid) == pid and p.create_time() >= created - CREATE_TIME_SLACK_S:
+                out.setdefault(p.pid, p)
+    return [p for p in out.values() if _running(p)]
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
     try:
-        root = psutil.Process(proc[0])
-        procs = [*root.children(recursive=True), root]
+        return p.status() != psutil.STATUS_ZOMBIE  # exited, its parent has not reaped it yet
     except psutil.Error:
         return False
+
+
+def kill_tree(proc: Proc) -> bool:
+    """SIGKILL what is left of a recorded process (:func:`tree_of`); whether anything was."""
+    import psutil
+
+    procs = tree_of(proc)
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    return True
+    return bool(procs)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -212,8 +240,24 @@ class Reaper:
             start_new_session=True,
         )
 
-    def stop(self) -> None:
-        """Remove the record (the cluster is stopped): the reaper sees it go and exits."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Remove the record (the cluster is stopped): the reaper sees it go and exits.
+
+        What is left of the recorded processes after ``grace_s`` is killed first: ipyparallel
+        signals its controller and kills it later from an event loop that may be gone by then
+        (a stop during a background start, at the kernel's exit, left a controller that was
+        still starting behind, or its scheduler children).
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            left = [p for proc in self.record.procs for p in tree_of(proc)]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for proc in self.record.procs:
+            kill_tree(proc)
+        if left:
+            log.info("killed %d cluster process(es) that outlived the stop", len(left))
         self.record.remove()
         try:
             self.process.wait(timeout=5)

@@ -138,6 +138,48 @@ def test_kill_tree_kills_descendants(sleepers):
         parent.wait()
 
 
+def test_kill_tree_kills_what_outlived_a_session_leader(sleepers):
+    """A controller stopped while it starts exits before its children: they have no parent
+    left, but stay in the session it led (ipyparallel starts each in a session of its own)."""
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print(c.pid, flush=True)",  # and exits: its child is orphaned
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    created = _ct(leader.pid)
+    orphan = psutil.Process(int(leader.stdout.readline()))
+    assert leader.wait(timeout=10) == 0
+    try:
+        assert not same_process((leader.pid, created))
+        assert [p.pid for p in runfiles.tree_of((leader.pid, created))] == [orphan.pid]
+        assert kill_tree((leader.pid, created))
+        orphan.wait(timeout=10)
+        assert runfiles.tree_of((leader.pid, created)) == []
+        assert not kill_tree((leader.pid, created))
+    finally:
+        if orphan.is_running():
+            orphan.kill()
+
+
+def test_reaper_stop_kills_what_is_left_after_the_grace(tmp_path, sleepers):
+    """A normal stop removes the record; a recorded process that did not exit meanwhile (a
+    signal that did not take) is killed first, not left running."""
+    stubborn = sleepers()
+    reap = runfiles.Reaper(tmp_path)
+    reap.record.write([stubborn.pid])
+    reap.stop(grace_s=0.2)
+    assert stubborn.wait(timeout=10) == -9
+    assert not reap.record.path.exists()
+    assert reap.process.poll() is not None
+
+
 def test_same_process_compares_create_time(sleepers):
     proc = sleepers()
     assert same_process((proc.pid, _ct(proc.pid)))
