@@ -211,3 +211,13 @@ def test_earlier_cells_count_for_the_log_scale():
     summary = live.finish(history, ["done", "done"], wall=2.0, framework="torch")
     assert live.figure.ax_loss.get_yscale() == "log"
     assert "loss axis logarithmic (the loss spans 2.3 decades)" in summary
+
+
+def test_the_live_figure_is_redrawn_within_its_budget_and_its_age_limit():
+    from nbdist.kernel.display import figure_wait
+
+    assert figure_wait(0.001, 2) == 0.5  # cheap draws: every REDRAW_S, no more often
+    assert figure_wait(0.05, 2) == 1.0  # 5% of a core
+    assert figure_wait(0.2, 2) == 2.0  # slow draws: never older than 2 s
+    assert figure_wait(0.2, 17) == 1.0  # min-max bands past 16 ranks: at least every second
+    assert figure_wait(0.001, 512) == 0.5
