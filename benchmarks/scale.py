@@ -344,7 +344,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Kernel fed by N simulated ranks (real MetricsStream, OutputRelay, LiveView, figure); "
         "lag = now minus the newest point of the rank furthest behind, in the table (redrawn "
-        "every 0.5 s) and in the figure (redrawn at most every 2 s):",
+        "every 0.5 s) and in the figure (up to 16 ranks redrawn within 5% of a core, at most every "
+        "2 s; past 16 ranks, min-max bands, with the table):",
         "",
         "| ranks | flush | points/s in | lost | kernel CPU | table lag p50 / max | "
         "figure lag p50 / max | relay latency p50 / max | history | final figure + summary |",

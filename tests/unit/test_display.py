@@ -219,5 +219,5 @@ def test_the_live_figure_is_redrawn_within_its_budget_and_its_age_limit():
     assert figure_wait(0.001, 2) == 0.5  # cheap draws: every REDRAW_S, no more often
     assert figure_wait(0.05, 2) == 1.0  # 5% of a core
     assert figure_wait(0.2, 2) == 2.0  # slow draws: never older than 2 s
-    assert figure_wait(0.2, 17) == 1.0  # min-max bands past 16 ranks: at least every second
+    assert figure_wait(0.2, 17) == 0.5  # min-max bands past 16 ranks: with the table
     assert figure_wait(0.001, 512) == 0.5
