@@ -98,3 +98,19 @@ def test_a_line_that_cannot_be_split(stopped):
     with pytest.raises(UsageError, match='%distrain: cannot split "push \'a" \\(No closing'):
         magics.distrain("push 'a")
     nothing_started()
+
+
+def test_tf_asked_onto_the_host_network_without_expose_tf_starts_nothing(stopped, monkeypatch):
+    from nbdist.kernel.netns import MODE_ENV
+
+    monkeypatch.setenv(MODE_ENV, "host")
+    magics, nothing_started = stopped
+    with pytest.raises(UsageError) as e:
+        magics.distrain("--framework tf", "x = 1\n")
+    assert str(e.value) == (
+        "%%distrain: TensorFlow's MultiWorkerMirroredStrategy starts a gRPC server in each "
+        "worker that accepts code from anybody, and here anyone who can reach this machine "
+        "(NBDIST_ENGINE_NETWORK=host is set) could reach them. Use --strategy mirrored (one "
+        "worker, no server), or add --expose-tf to run anyway."
+    )
+    nothing_started()
