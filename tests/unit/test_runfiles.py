@@ -222,3 +222,15 @@ def test_run_dir_refuses_a_symlink(tmp_path, monkeypatch):
     monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [link])
     with pytest.raises(ClusterError, match="is not a directory owned by uid"):
         runfiles.run_dir()
+
+
+def test_a_write_that_cannot_replace_the_file_leaves_no_temporary_behind(tmp_path):
+    """``os.replace`` onto a folder fails: the error reaches the caller and the temporary file
+    it wrote is gone (the old content stays)."""
+    target = tmp_path / "record"
+    target.mkdir()
+    (target / "kept").write_text("old")
+    with pytest.raises(IsADirectoryError):
+        runfiles.write_atomic(target, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record"]
+    assert [p.name for p in target.iterdir()] == ["kept"]
