@@ -56,34 +56,6 @@ def test_status_and_connected_text():
     ]
 
 
-def test_set_up_work_that_gets_no_answer_names_the_rank(monkeypatch):
-    import pytest
-
-    from nbdist import ClusterError
-    from nbdist.kernel import engines as engines_module
-
-    class Silent:
-        def get(self, timeout=None):
-            raise TimeoutError(f"no answer in {timeout} s")
-
-    class View(engines_module.RankedEngines):
-        def __init__(self):
-            self._client, self.owned = object(), True
-            self.engines = [
-                EngineInfo(rank=0, engine_id=0, host="vm", address="127.0.0.1", pid=7,
-                           gpu=None, cpus=2, local_rank=0, local_world_size=1),
-            ]  # fmt: skip
-
-        def apply_async(self, rank, fn, /, *args, **kwargs):
-            return Silent()
-
-    monkeypatch.setattr(engines_module, "SETUP_TIMEOUT_S", 0.1)
-    with pytest.raises(
-        ClusterError, match=r"rank 0 \(host vm, pid 7\) did not answer within 0.1 s"
-    ):
-        View().apply_all(print, lambda e: {})
-
-
 def test_an_engine_reached_over_loopback_among_several_hosts_takes_its_own_address():
     from nbdist.kernel.engines import settle_addresses
 
