@@ -152,6 +152,23 @@ def test_engines_that_do_not_register_in_time(monkeypatch):
         assert not cluster.running and cluster.engines == []
 
 
+def test_a_controller_that_cannot_start_leaves_no_cluster(monkeypatch, tmp_path):
+    """The controller's Python cannot start (PYTHONHOME names no Python; this process started
+    before it was set): the start fails at once, says what to check and what to type next, and
+    leaves no process behind."""
+    monkeypatch.setenv("PYTHONHOME", str(tmp_path))
+    cluster = LocalCluster(notify=lambda msg: None)
+    with no_process_left():
+        with pytest.raises(ClusterError) as info:
+            cluster.start(2)
+        assert not cluster.running
+    assert str(info.value) == (
+        "could not start 2 local engines: the ipyparallel controller exited while starting. "
+        "Check that ipyparallel is installed in this kernel's environment, then run "
+        "%distrain start again."
+    )
+
+
 @pytest.fixture
 def two_workers(shell, magics):
     shell.run_line_magic("distrain", "start -n 2")
