@@ -245,6 +245,28 @@ def test_engines_that_do_not_answer_leave_no_connection_behind(elsewhere):
     assert busy.ready()
 
 
+def test_an_interrupt_while_connecting_leaves_no_connection_behind(elsewhere):
+    """A real SIGINT once the client is open, just before nbdist asks the engines who they
+    are: the interrupt reaches the user, and the cluster is not left half connected."""
+    profile, _ = elsewhere
+    cluster = LocalCluster()
+    learn = cluster._learn_engines
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the KeyboardInterrupt is raised here
+        return learn(*args, **kwargs)
+
+    cluster._learn_engines = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
+    assert not cluster.running and cluster.engines == [] and cluster.owned
+    del cluster._learn_engines
+    cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
+    assert cluster.size == 2
+    cluster.stop()
+
+
 @pytest.fixture
 def lone_controller(tmp_path):
     """A controller that no engine ever registers with."""
