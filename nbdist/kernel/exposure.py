@@ -16,10 +16,16 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from nbdist.kernel.netns import host_network_asked
+
+
+def _opens_servers(framework: str, options: Mapping[str, Any]) -> bool:
+    return framework == "tf" and options.get("strategy") != "mirrored"
+
 
 def tf_exposure(cluster: Any, framework: str, options: Mapping[str, Any]) -> str | None:
     """Who could reach this job's TensorFlow servers, or None when nobody outside the workers."""
-    if framework != "tf" or options.get("strategy") == "mirrored":
+    if not _opens_servers(framework, options):
         return None
     if cluster.owned:
         network = cluster.network
@@ -28,6 +34,27 @@ def tf_exposure(cluster: Any, framework: str, options: Mapping[str, Any]) -> str
         return f"anyone who can reach this machine ({network.reason})"
     hosts = sorted({e.address for e in cluster.engines})
     return f"anyone who can reach the engines' hosts ({', '.join(hosts)}) on {cluster.source}"
+
+
+def _refusal(who: str) -> UsageError:
+    return UsageError(
+        "%%distrain: TensorFlow's MultiWorkerMirroredStrategy starts a gRPC server in each "
+        f"worker that accepts code from anybody, and here {who} could reach them. Use "
+        "--strategy mirrored (one worker, no server), or add --expose-tf to run anyway."
+    )
+
+
+def check_tf_exposure_before_start(
+    framework: str, options: Mapping[str, Any], *, allowed: bool
+) -> None:
+    """For a local cluster not started yet: refuse what its configuration already decides
+    (engines asked onto the host's network), so that nothing starts for a cell that cannot run.
+    A platform that refuses namespaces shows only once the cluster starts: then
+    :func:`check_tf_exposure` refuses after the start."""
+    reason = host_network_asked()
+    if allowed or reason is None or not _opens_servers(framework, options):
+        return
+    raise _refusal(f"anyone who can reach this machine ({reason})")
 
 
 def check_tf_exposure(
@@ -43,11 +70,7 @@ def check_tf_exposure(
     if who is None:
         return
     if not allowed:
-        raise UsageError(
-            "%%distrain: TensorFlow's MultiWorkerMirroredStrategy starts a gRPC server in each "
-            f"worker that accepts code from anybody, and here {who} could reach them. Use "
-            "--strategy mirrored (one worker, no server), or add --expose-tf to run anyway."
-        )
+        raise _refusal(who)
     if cluster.exposure_told:
         return
     cluster.exposure_told = True

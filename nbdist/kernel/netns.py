@@ -66,8 +66,8 @@ class PrivateNetwork:
         """Start the holder; :meth:`ready` waits for it (the controller starts meanwhile)."""
         self._sockets.mkdir(mode=0o700)
         self.sockets = self._sockets
-        if os.environ.get(MODE_ENV, "private") == "host":
-            self.reason = f"{MODE_ENV}=host is set"
+        self.reason = host_network_asked()
+        if self.reason is not None:
             return
         self._modes = ["net", "user"] if os.geteuid() == 0 else ["user"]
         self._tried = []
@@ -158,6 +158,13 @@ class PrivateNetwork:
                     entry.unlink()
             with contextlib.suppress(OSError):
                 sockets.rmdir()
+
+
+def host_network_asked() -> str | None:
+    """Why engines started now will share the host's network, when the configuration says so
+    (``NBDIST_ENGINE_NETWORK=host``); None otherwise. A platform that refuses namespaces is
+    found only by starting the holder (:meth:`PrivateNetwork.ready`)."""
+    return f"{MODE_ENV}=host is set" if os.environ.get(MODE_ENV, "private") == "host" else None
 
 
 def wait_for_files(controller: Any, timeout: float) -> list[str]:

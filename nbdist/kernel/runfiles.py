@@ -42,6 +42,16 @@ STOP_GRACE_S = 3.0  # for a stopped cluster's processes to exit before they are 
 
 Proc = tuple[int, float]
 
+# A unix socket's path has at most 107 bytes (sun_path, with its NUL). The controller's longest
+# lies beside the run record: <folder>/nbdist-<pid up to 4194304>-<8 random>.ipc/s:<port>. A
+# deeper folder made the controller exit at its first bind ("exited while starting").
+SOCKET_PATH_MAX = 107
+
+
+def longest_socket_path(folder: Path) -> int:
+    """Bytes in the longest controller socket path a cluster with run files in ``folder`` uses."""
+    return len(os.fsencode(folder / "nbdist-4194304-abcdefgh.ipc" / "s:65535"))
+
 
 def _private(path: Path) -> Path:
     """``path`` as a directory this user owns that nobody else can enter (made 0700 if missing)."""
@@ -72,9 +82,17 @@ def run_dir_candidates() -> list[Path]:
 
 
 def run_dir() -> Path:
-    """The first candidate directory that is (or could be made) private to this user."""
+    """The first candidate directory that is (or could be made) private to this user and is
+    short enough for the controller's socket paths."""
     reasons = []
     for path in run_dir_candidates():
+        length = longest_socket_path(path)
+        if length > SOCKET_PATH_MAX:
+            reasons.append(
+                f"{path}: too deep for the controller's sockets ({length} bytes, at most "
+                f"{SOCKET_PATH_MAX})"
+            )
+            continue
         try:
             return _private(path)
         except OSError as e:
@@ -82,7 +100,8 @@ def run_dir() -> Path:
     raise ClusterError(
         "nbdist found no private folder for its run files ("
         + "; ".join(reasons)
-        + "). Set XDG_RUNTIME_DIR to a folder only you can write, then %distrain start again."
+        + "). Set XDG_RUNTIME_DIR to a short folder only you can write, then %distrain start "
+        "again."
     )
 
 

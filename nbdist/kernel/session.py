@@ -27,7 +27,7 @@ from nbdist.kernel.cluster import LocalCluster, default_workers
 from nbdist.kernel.curves import Segment
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import CellRecord
-from nbdist.kernel.exposure import check_tf_exposure
+from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
 from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
@@ -163,6 +163,7 @@ class Session:
             _check_ranks(opts, backends.load(framework).workers_used(options, expected))
         if not cluster.running:
             prepare.check_gpus(opts, gpus=bool(visible_gpus()))
+            check_tf_exposure_before_start(framework, options, allowed=opts.expose_tf)
         cluster.preload = framework  # engines started from here on import it as they start
         cluster.ensure(opts.workers)
         self.note_engines("the workers were restarted or resized")

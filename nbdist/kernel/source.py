@@ -6,8 +6,6 @@ import ast
 
 from IPython.core.error import UsageError
 
-from nbdist.engine.backends import FRAMEWORKS
-
 # Top-level module names (imports) and bare names a cell of each framework uses.
 _FRAMEWORK_MARKERS = {
     "torch": {"torch", "nn", "dist", "DistributedDataParallel", "DDP"},
@@ -43,20 +41,3 @@ def used_frameworks(tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.Name):
             names.add(node.id)
     return {fw for fw, markers in _FRAMEWORK_MARKERS.items() if names & markers}
-
-
-def infer_framework(tree: ast.Module, explicit: str | None) -> str:
-    """The framework to run the cell with: ``--framework`` if given, else what the cell uses."""
-    if explicit is not None:
-        return explicit
-    found = used_frameworks(tree) & set(FRAMEWORKS)
-    if len(found) == 1:
-        return found.pop()
-    if not found and len(FRAMEWORKS) == 1:
-        return FRAMEWORKS[0]
-    choices = "|".join(FRAMEWORKS)
-    what = "both " + " and ".join(sorted(found)) if found else "neither framework"
-    raise UsageError(
-        f"%%distrain: cannot tell which framework this cell is for (it uses {what}). "
-        f"Add --framework {choices} to the %%distrain line."
-    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist import ClusterError
+from nbdist.kernel.cluster import LocalCluster
+from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -155,6 +158,32 @@ def test_tf_config_lists_each_engines_address_and_trains(connected, capsys):
     assert w0 == w1
 
 
+@pytest.mark.tf
+def test_a_restart_the_connected_engines_need_refuses_further_cells(connected, elsewhere):
+    """TensorFlow cannot switch from multi-worker to mirrored collectives in one process: the
+    engines need a restart, which is not nbdist's to do here. The cell says so, and so does the
+    next one until the cluster is connected again."""
+    profile, _ = elsewhere
+    connected.run_cell_magic("distrain", "--expose-tf --framework tf", "x = 1")
+    refusal = (
+        "the workers need a restart, and nbdist does not start or stop the engines of a "
+        f"connected ipyparallel cluster (profile default, cluster id {CLUSTER_ID}). Restart them "
+        "where they were started (e.g. ipcluster stop / ipcluster start --profile NAME), then "
+        "%distrain connect again."
+    )
+    with pytest.raises(ClusterError) as e:
+        connected.run_cell_magic("distrain", "--framework tf --strategy mirrored", "x = 1")
+    assert str(e.value) == refusal
+    with pytest.raises(ClusterError) as e:
+        connected.run_cell_magic("distrain", "--framework torch", "x = 1")
+    assert str(e.value) == refusal
+    connected.run_line_magic(
+        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60"
+    )
+    connected.run_cell_magic("distrain", "-o res --framework torch", "rank")
+    assert connected.user_ns["res"].values == [0, 1]
+
+
 def test_connected_cluster_is_not_resized_or_restarted(connected):
     with pytest.raises(UsageError, match="-n 3, but the connected cluster has 2 engines"):
         connected.run_cell_magic("distrain", "-n 3 --framework torch", "x = 1")
@@ -188,6 +217,82 @@ def test_connection_file(shell, elsewhere):
         assert shell.user_ns["res"].values == [0, 1]
     finally:
         shell.run_line_magic("distrain", "stop")
+
+
+def test_engines_that_do_not_answer_leave_no_connection_behind(elsewhere):
+    """Both engines busy with another client's task: they registered, but cannot say who they
+    are within the timeout."""
+    import ipyparallel as ipp
+
+    profile, _ = elsewhere
+    other = ipp.Client(profile_dir=str(profile), cluster_id=CLUSTER_ID)
+    cluster = LocalCluster()
+    try:
+        other.wait_for_engines(2, timeout=60, interactive=False)
+        busy = other[:].apply_async(time.sleep, 60)
+        with pytest.raises(ClusterError) as e:
+            cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=1)
+        assert str(e.value) == (
+            f"connected to profile default, cluster id {CLUSTER_ID}, but its engines did not "
+            "answer within 1 s (TimeoutError: Result not ready.). Are they busy, or is nbdist "
+            "missing from their Python environment (pip install nbdist there)?"
+        )
+        assert not cluster.running and cluster.engines == [] and cluster.owned
+    finally:
+        other.send_signal(signal.SIGINT, targets=other.ids, block=True)
+        busy.wait(30)
+        other.close()
+    assert busy.ready()
+
+
+def test_an_interrupt_while_connecting_leaves_no_connection_behind(elsewhere):
+    """A real SIGINT once the client is open, just before nbdist asks the engines who they
+    are: the interrupt reaches the user, and the cluster is not left half connected."""
+    profile, _ = elsewhere
+    cluster = LocalCluster()
+    learn = cluster._learn_engines
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the KeyboardInterrupt is raised here
+        return learn(*args, **kwargs)
+
+    cluster._learn_engines = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
+    assert not cluster.running and cluster.engines == [] and cluster.owned
+    del cluster._learn_engines
+    cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
+    assert cluster.size == 2
+    cluster.stop()
+
+
+@pytest.fixture
+def lone_controller(tmp_path):
+    """A controller that no engine ever registers with."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1",
+         f"--profile-dir={tmp_path}", "--cluster-id=lone", "--log-level=ERROR"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_for(tmp_path / "security" / "ipcontroller-lone-client.json")
+        yield tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_controller_without_engines_says_how_to_start_them(lone_controller):
+    cluster = LocalCluster()
+    with no_process_left(), pytest.raises(ClusterError) as e:
+        cluster.connect(profile_dir=str(lone_controller), cluster_id="lone", timeout=1)
+    assert str(e.value).startswith(
+        "connected to the controller (profile default, cluster id lone) but no engine "
+        "registered within 1 s: "
+    )
+    assert str(e.value).endswith(" Start engines with: ipcluster engines -n N --profile NAME.")
+    assert not cluster.running
 
 
 def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):

@@ -21,6 +21,7 @@ from nbdist import ClusterError, JobInterrupted
 from nbdist.engine import worker
 from nbdist.kernel import cluster as cluster_module
 from nbdist.kernel import commands, failures
+from nbdist.kernel import engines as engines_module
 from nbdist.kernel.cluster import LocalCluster
 from nbdist.kernel.engines import kill_trees
 from tests.procs import no_process_left
@@ -151,6 +152,23 @@ def test_engines_that_do_not_register_in_time(monkeypatch):
         assert not cluster.running and cluster.engines == []
 
 
+def test_a_controller_that_cannot_start_leaves_no_cluster(monkeypatch, tmp_path):
+    """The controller's Python cannot start (PYTHONHOME names no Python; this process started
+    before it was set): the start fails at once, says what to check and what to type next, and
+    leaves no process behind."""
+    monkeypatch.setenv("PYTHONHOME", str(tmp_path))
+    cluster = LocalCluster(notify=lambda msg: None)
+    with no_process_left():
+        with pytest.raises(ClusterError) as info:
+            cluster.start(2)
+        assert not cluster.running
+    assert str(info.value) == (
+        "could not start 2 local engines: the ipyparallel controller exited while starting. "
+        "Check that ipyparallel is installed in this kernel's environment, then run "
+        "%distrain start again."
+    )
+
+
 @pytest.fixture
 def two_workers(shell, magics):
     shell.run_line_magic("distrain", "start -n 2")
@@ -235,6 +253,9 @@ def test_clean_up_that_cannot_finish_replaces_the_engines(two_workers, magics, m
 
 # -- the line magics' errors, on real workers ---------------------------------------------------
 def test_pull_errors_name_the_rank_and_the_fix(two_workers):
+    with pytest.raises(UsageError) as info:
+        two_workers.run_line_magic("distrain", "pull nothere --rank 2")
+    assert str(info.value) == "%distrain pull: --rank 2 does not exist; ranks go from 0 to 1."
     with pytest.raises(
         UsageError,
         match=r"%distrain pull: rank 1: NameError: no variable 'nothere' on this worker",
@@ -259,6 +280,27 @@ def test_a_command_on_a_busy_rank_says_so(two_workers, magics, monkeypatch):
     ):
         two_workers.run_line_magic("distrain", "vars")
     busy.get(30)
+
+
+def test_set_up_work_on_a_busy_rank_names_it(two_workers, magics, monkeypatch):
+    """Set-up calls (imports, a rendezvous) wait SETUP_TIMEOUT_S for every rank, then name the
+    one that did not answer: here rank 1, busy with a task of its own."""
+    monkeypatch.setattr(engines_module, "SETUP_TIMEOUT_S", 5.0)
+    cluster = magics.cluster
+    busy = cluster.apply_async(1, time.sleep, 60)
+    silent = cluster.engines[1]
+    try:
+        with pytest.raises(ClusterError) as info:
+            cluster.apply_all(worker.engine_info, lambda e: {})
+    finally:
+        cluster.interrupt([1])
+        busy.wait(30)
+    assert str(info.value) == (
+        f"rank 1 (host {silent.host}, pid {silent.pid}) did not answer within 5 s while setting "
+        "up; is a cell still running there? %distrain status shows it; %distrain restart gives "
+        "fresh workers."
+    )
+    assert busy.ready()
 
 
 def test_compare_of_a_value_that_cannot_be_compared(two_workers):

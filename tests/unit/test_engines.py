@@ -56,29 +56,31 @@ def test_status_and_connected_text():
     ]
 
 
-def test_set_up_work_that_gets_no_answer_names_the_rank(monkeypatch):
+def test_an_engine_reached_over_loopback_among_several_hosts_takes_its_own_address():
+    from nbdist.kernel.engines import settle_addresses
+
+    infos = [
+        {**_info("127.0.0.1", host="head"), "addresses": ["10.0.0.5", "172.17.0.1"]},
+        {**_info("10.0.0.7", host="node1"), "addresses": ["10.0.0.7"]},
+    ]
+    assert [i["address"] for i in settle_addresses(infos, local=None)] == ["10.0.0.5", "10.0.0.7"]
+    assert [i["address"] for i in settle_addresses(infos, local="127.0.0.1")] == ["127.0.0.1"] * 2
+
+
+def test_an_engine_with_no_address_other_hosts_reach_says_what_to_set():
     import pytest
 
     from nbdist import ClusterError
-    from nbdist.kernel import engines as engines_module
+    from nbdist.kernel.engines import settle_addresses
 
-    class Silent:
-        def get(self, timeout=None):
-            raise TimeoutError(f"no answer in {timeout} s")
-
-    class View(engines_module.RankedEngines):
-        def __init__(self):
-            self._client, self.owned = object(), True
-            self.engines = [
-                EngineInfo(rank=0, engine_id=0, host="vm", address="127.0.0.1", pid=7,
-                           gpu=None, cpus=2, local_rank=0, local_world_size=1),
-            ]  # fmt: skip
-
-        def apply_async(self, rank, fn, /, *args, **kwargs):
-            return Silent()
-
-    monkeypatch.setattr(engines_module, "SETUP_TIMEOUT_S", 0.1)
-    with pytest.raises(
-        ClusterError, match=r"rank 0 \(host vm, pid 7\) did not answer within 0.1 s"
-    ):
-        View().apply_all(print, lambda e: {})
+    infos = [
+        {**_info("127.0.0.1", host="head"), "addresses": []},
+        {**_info("10.0.0.7", host="node1"), "addresses": ["10.0.0.7"]},
+    ]
+    with pytest.raises(ClusterError) as e:
+        settle_addresses(infos, local=None)
+    assert str(e.value) == (
+        "engine on head has no address other hosts can reach; set NBDIST_ADDRESS in its "
+        "environment (ipcluster_config.py: c.EngineLauncher.environment) and %distrain connect "
+        "again."
+    )

@@ -86,3 +86,19 @@ def test_flag_tells_once_per_cluster(tmp_path):
 def test_expose_tf_flag_parses():
     assert parse_run_options("--expose-tf").expose_tf is True
     assert parse_run_options("").expose_tf is False
+
+
+def test_before_a_start_the_host_network_setting_decides(monkeypatch):
+    """What a stopped local cluster's configuration already decides: the engines were asked
+    onto the host's network. Only a multi-worker TensorFlow job without the flag is refused."""
+    from nbdist.kernel.exposure import check_tf_exposure_before_start
+    from nbdist.kernel.netns import MODE_ENV
+
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    check_tf_exposure_before_start("tf", {}, allowed=False)  # private: decided by the start
+    monkeypatch.setenv(MODE_ENV, "host")
+    check_tf_exposure_before_start("torch", {}, allowed=False)
+    check_tf_exposure_before_start("tf", {"strategy": "mirrored"}, allowed=False)
+    check_tf_exposure_before_start("tf", {}, allowed=True)
+    with pytest.raises(UsageError, match=r"this machine \(NBDIST_ENGINE_NETWORK=host is set\)"):
+        check_tf_exposure_before_start("tf", {}, allowed=False)

@@ -1,9 +1,7 @@
-import psutil
 import pytest
 from IPython.core.error import UsageError
 
 from nbdist.engine.hardware import visible_gpus
-from nbdist.kernel.magic import DistrainMagics
 
 
 def test_docstring_teaches(shell):
@@ -25,23 +23,6 @@ def test_bad_subcommands(shell, line, expected):
     with pytest.raises(UsageError) as info:
         shell.run_line_magic("distrain", line)
     assert expected in str(info.value)
-
-
-@pytest.fixture
-def stopped(shell):
-    """A DistrainMagics of its own on the test shell: its cluster has never started, whatever
-    other test files did with the session-wide one. Yields it and a check that no process was
-    started meanwhile."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    magics = DistrainMagics(shell)
-
-    def nothing_started():
-        assert not magics.cluster.running
-        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
-        assert not started, f"processes started: {started}"
-
-    yield magics, nothing_started
-    magics.close()
 
 
 def test_cell_errors_before_any_engine_starts(shell, stopped):
@@ -97,4 +78,20 @@ def test_a_line_that_cannot_be_split(stopped):
     magics, nothing_started = stopped
     with pytest.raises(UsageError, match='%distrain: cannot split "push \'a" \\(No closing'):
         magics.distrain("push 'a")
+    nothing_started()
+
+
+def test_tf_asked_onto_the_host_network_without_expose_tf_starts_nothing(stopped, monkeypatch):
+    from nbdist.kernel.netns import MODE_ENV
+
+    monkeypatch.setenv(MODE_ENV, "host")
+    magics, nothing_started = stopped
+    with pytest.raises(UsageError) as e:
+        magics.distrain("--framework tf", "x = 1\n")
+    assert str(e.value) == (
+        "%%distrain: TensorFlow's MultiWorkerMirroredStrategy starts a gRPC server in each "
+        "worker that accepts code from anybody, and here anyone who can reach this machine "
+        "(NBDIST_ENGINE_NETWORK=host is set) could reach them. Use --strategy mirrored (one "
+        "worker, no server), or add --expose-tf to run anyway."
+    )
     nothing_started()

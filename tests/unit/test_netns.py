@@ -146,6 +146,44 @@ def _refusing_python(network) -> Path:
     return script
 
 
+def test_a_holder_that_never_answers_is_given_up_on(network, monkeypatch):
+    """A holder stuck before it can say anything (here: a Python that only sleeps) is killed
+    after HOLDER_START_TIMEOUT_S, and the reason names the wait."""
+    folder = network._sockets.parent
+    script = folder / "python"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(60)'\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(kernel_netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(kernel_netns.sys, "executable", str(script))
+    monkeypatch.setattr(kernel_netns, "HOLDER_START_TIMEOUT_S", 0.5)
+    network.start()
+    holder = network.holder
+    network.ready()
+    assert network.reason == (
+        "this platform refused a private network (user+network namespace: no answer in 0.5 s)"
+    )
+    assert not network.private and holder.returncode == -9
+
+
+def test_engine_that_cannot_enter_the_namespace_exits():
+    """setns refused by the kernel (here: joining the user namespace it is already in, EINVAL):
+    the engine says which call failed and exits before it registers."""
+    env = {**os.environ, "NBDIST_NETNS_PID": str(os.getpid()), "NBDIST_NETNS_USER": "1",
+           "NBDIST_PRELOAD": ""}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "nbdist.engine.boot"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert out.stderr == (
+        "nbdist: engine could not join the cluster's private network: [Errno 22] "
+        f"setns(user namespace of process {os.getpid()}): Invalid argument\n"
+    )
+
+
 def test_engine_that_cannot_join_exits(tmp_path):
     env = {**os.environ, "NBDIST_NETNS_PID": "999999999", "NBDIST_PRELOAD": ""}
     out = subprocess.run(

@@ -264,3 +264,49 @@ def test_run_dir_refuses_a_symlink(tmp_path, monkeypatch):
     monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [link])
     with pytest.raises(ClusterError, match="is not a directory owned by uid"):
         runfiles.run_dir()
+
+
+def test_a_write_that_cannot_replace_the_file_leaves_no_temporary_behind(tmp_path):
+    """``os.replace`` onto a folder fails: the error reaches the caller and the temporary file
+    it wrote is gone (the old content stays)."""
+    target = tmp_path / "record"
+    target.mkdir()
+    (target / "kept").write_text("old")
+    with pytest.raises(IsADirectoryError):
+        runfiles.write_atomic(target, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record"]
+    assert [p.name for p in target.iterdir()] == ["kept"]
+
+
+def test_run_dir_skips_a_folder_too_deep_for_the_controllers_sockets(tmp_path, monkeypatch):
+    """A socket path has at most 107 bytes: below a deeper folder the controller could not bind
+    and exited at once. Such a folder is passed over for the next one."""
+    deep = tmp_path / ("d" * (runfiles.SOCKET_PATH_MAX - len(str(tmp_path))))
+    short = tmp_path / "short"
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [deep / "nbdist", short])
+    assert runfiles.run_dir() == short
+    assert not deep.exists()
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [deep / "nbdist"])
+    length = runfiles.longest_socket_path(deep / "nbdist")
+    with pytest.raises(ClusterError) as info:
+        runfiles.run_dir()
+    assert str(info.value) == (
+        f"nbdist found no private folder for its run files ({deep / 'nbdist'}: too deep for the "
+        f"controller's sockets ({length} bytes, at most 107)). Set XDG_RUNTIME_DIR to a short "
+        "folder only you can write, then %distrain start again."
+    )
+
+
+def test_the_longest_socket_path_is_the_one_a_cluster_binds(tmp_path):
+    """The controller's sockets: <record>.ipc/s-PORT, linked as s:PORT; a record is
+    nbdist-<pid>-<8 random>.pids, and PIDs go up to 4194304."""
+    record = runfiles.RunRecord(tmp_path)
+    try:
+        name = record.path.name
+        assert name.startswith(f"nbdist-{os.getpid()}-") and len(name) == len(
+            f"nbdist-{os.getpid()}-abcdefgh.pids"
+        )
+        real = len(os.fsencode(record.sockets / "s:65535"))
+        assert runfiles.longest_socket_path(tmp_path) == real + 7 - len(str(os.getpid()))
+    finally:
+        record.remove()

@@ -57,6 +57,23 @@ def test_export_with_nothing_run_says_so(idle, tmp_path):
         idle._subcommand(f"export {tmp_path / 'train.py'}")
 
 
+def test_export_after_only_a_push_says_so(idle, tmp_path):
+    """%distrain push records itself for the script, but a push alone is no training to export."""
+    from nbdist.kernel.export import CellRecord
+
+    idle.session.cells = [
+        CellRecord(source="", kind="push", push={"data": [1, 2]}, framework="torch",
+                   world_size=2, autolog=False)
+    ]  # fmt: skip
+    with pytest.raises(UsageError) as info:
+        idle._subcommand(f"export {tmp_path / 'train.py'}")
+    assert str(info.value) == (
+        "%distrain export: no %%distrain cell has run since the workers were last reset. "
+        "(Run the cells, then %distrain export train.py.)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_auto_mode_prefixes_plain_cells_only(idle, shell):
     idle._subcommand("auto on")
     try:

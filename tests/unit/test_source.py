@@ -1,7 +1,7 @@
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist.kernel.source import infer_framework, parse_cell, used_frameworks
+from nbdist.kernel.source import parse_cell, used_frameworks
 
 
 def test_empty_cell():
@@ -30,11 +30,3 @@ def test_syntax_error_names_the_line():
 )
 def test_used_frameworks(source, found):
     assert used_frameworks(parse_cell(source)) == found
-
-
-def test_explicit_framework_wins():
-    assert infer_framework(parse_cell("import tensorflow\n"), "torch") == "torch"
-
-
-def test_torch_inferred():
-    assert infer_framework(parse_cell("import torch\nx = torch.ones(1)\n"), None) == "torch"
