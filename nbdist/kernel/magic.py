@@ -93,7 +93,10 @@ epoch loop without sampler.set_epoch, nccl without GPUs, saving from every rank,
 built outside strategy.scope(), ... — and prints one line per finding with the fix. Findings
 never block the run; --no-check turns them off, --check-only checks without running.
 
-Output of every rank streams into the cell, prefixed ``[rank N]`` (``--ranks 0`` shows one).
+Output of every rank streams into the cell, prefixed ``[rank N]`` (``--ranks 0`` shows one);
+beyond 16 ranks, rank 0's lines and at the end a count of the others' (``--ranks all`` shows
+every rank's; ``-o res`` keeps them all in ``res.stdout``). The panel and ``%distrain status``
+then group the ranks by host.
 If a rank raises, the others are stopped within seconds and the error names the rank, the
 line of the cell and the remote traceback; the next ``%%distrain`` works as usual.
 
