@@ -533,10 +533,21 @@ def _engine_env(preload: str | None, n: int, network: Any) -> dict[str, str]:
 
 
 def _start_failed(n: int, e: BaseException) -> ClusterError:
-    return ClusterError(
-        f"could not start {n} local engines: {e}. Check that ipyparallel is installed in "
-        "this kernel's environment, then run %distrain start again."
-    )
+    """The start's error, with the advice that fits its cause."""
+    cause = str(e)
+    if cause.startswith("the ipyparallel controller"):
+        advice = (
+            "Check that ipyparallel is installed in this kernel's environment, then run "
+            "%distrain start again."
+        )
+    elif "new engines registered within" in cause and n > 1:
+        advice = (
+            "A busy machine may not start them in time: run %distrain start again, or with "
+            f"fewer workers (%distrain start -n {n // 2})."
+        )
+    else:
+        advice = "Run %distrain start again."
+    return ClusterError(f"could not start {n} local engines: {cause}. {advice}")
 
 
 def _check_gpus(n: int) -> None:

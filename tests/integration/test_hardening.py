@@ -136,7 +136,9 @@ def test_engines_that_do_not_register_in_time(monkeypatch):
     monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 0.01)
     cluster = LocalCluster(notify=lambda msg: None)
     with no_process_left():
-        with pytest.raises(ClusterError, match="could not start 2 local engines: .*then run "):
+        with pytest.raises(
+            ClusterError, match="could not start 2 local engines: .*%distrain start"
+        ):
             cluster.start(2)
         assert not cluster.running
     monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 120)

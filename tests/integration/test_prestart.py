@@ -87,7 +87,9 @@ def test_a_failed_background_start_is_shown_in_status_and_the_first_cell(
         out = capsys.readouterr().out
         assert (
             "nbdist: the workers could not be started in the background: could not start 2 "
-            "local engines: only 0 of 2 new engines registered within 1 s" in out
+            "local engines: only 0 of 2 new engines registered within 1 s. A busy machine may "
+            "not start them in time: run %distrain start again, or with fewer workers "
+            "(%distrain start -n 1)." in out
         )
         assert "nbdist: no cluster running. %distrain start [-n N] starts one." in out
         with pytest.raises(ClusterError, match="could not start 2 local engines"):
