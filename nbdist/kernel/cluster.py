@@ -367,11 +367,11 @@ class LocalCluster(RankedEngines):
             self._notify("nbdist: leaving the current cluster for the one to connect to")
             self.stop()
 
-    def _not_ours(self) -> str:
+    def _not_ours(self, why: str | None = None) -> str:
         return (
-            f"the workers need a restart, and nbdist does not start or stop the engines of "
-            f"{self.source}. Restart them where they were started (e.g. ipcluster stop / "
-            "ipcluster start --profile NAME), then %distrain connect again."
+            f"the workers need a restart{f' ({why})' if why else ''}, and nbdist does not "
+            f"start or stop the engines of {self.source}. Restart them where they were started "
+            "(e.g. ipcluster stop / ipcluster start --profile NAME), then %distrain connect again."
         )
 
     def restart(self, n: int | None = None) -> None:
@@ -402,13 +402,16 @@ class LocalCluster(RankedEngines):
             self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
             self.replace_engines(n)
 
-    def replace_engines(self, n: int | None = None, *, notice: str | None = None) -> None:
+    def replace_engines(
+        self, n: int | None = None, *, notice: str | None = None, why: str | None = None
+    ) -> None:
         """Stop every engine and start ``n`` fresh ones under the same controller. ``notice`` is
-        the line to show first; a connected cluster is not ours to restart and says so instead."""
+        the line to show first; a connected cluster is not ours to restart and says so instead,
+        with ``why`` the engines need it."""
         if not self.owned:
             # Not ours to restart: say so now, and refuse further runs until reconnected (the
             # caller is reporting the failure that made the restart necessary).
-            self.stale = self._not_ours()
+            self.stale = self._not_ours(why)
             self._notify(f"nbdist: {self.stale}")
             return
         if notice:

@@ -97,10 +97,8 @@ def drop(
         except Exception:
             stuck.append(r)
     if stuck:
-        cluster.replace_engines(
-            notice=f"nbdist: replacing the engines (rank {stuck[0]} could not leave its process "
-            "group cleanly)"
-        )
+        why = f"rank {stuck[0]} could not leave its process group cleanly"
+        cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
     return sorted(names)
 
 

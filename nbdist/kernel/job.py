@@ -155,10 +155,8 @@ class Job:
                 for p in lost
             }
             names = ", ".join(str(self.ranks[p]) for p in lost)
-            self.cluster.replace_engines(
-                notice=f"nbdist: replacing the engines ({'rank' if len(lost) == 1 else 'ranks'} "
-                f"{names} had to be killed or died)"
-            )
+            why = f"{'rank' if len(lost) == 1 else 'ranks'} {names} had to be killed or died"
+            self.cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
             outcome.replaced = True
         else:
             self._confirm_released(outcome)

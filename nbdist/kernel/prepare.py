@@ -149,7 +149,9 @@ def rendezvous(
     prepared = prepare()
     reasons = sorted({p["restart"] for p in prepared if p.get("restart")})
     if reasons:
-        cluster.replace_engines(notice=f"nbdist: restarting the workers: {reasons[0]}")
+        cluster.replace_engines(
+            notice=f"nbdist: restarting the workers: {reasons[0]}", why=reasons[0]
+        )
         if cluster.stale:
             raise ClusterError(cluster.stale)
         warm_up(cluster, framework)

@@ -166,10 +166,11 @@ def test_a_restart_the_connected_engines_need_refuses_further_cells(connected, e
     profile, _ = elsewhere
     connected.run_cell_magic("distrain", "--expose-tf --framework tf", "x = 1")
     refusal = (
-        "the workers need a restart, and nbdist does not start or stop the engines of a "
-        f"connected ipyparallel cluster (profile default, cluster id {CLUSTER_ID}). Restart them "
-        "where they were started (e.g. ipcluster stop / ipcluster start --profile NAME), then "
-        "%distrain connect again."
+        "the workers need a restart (TensorFlow in these workers already ran multiworker "
+        "collectives and cannot switch to mirrored in the same process), and nbdist does not "
+        "start or stop the engines of a connected ipyparallel cluster (profile default, cluster "
+        f"id {CLUSTER_ID}). Restart them where they were started (e.g. ipcluster stop / "
+        "ipcluster start --profile NAME), then %distrain connect again."
     )
     with pytest.raises(ClusterError) as e:
         connected.run_cell_magic("distrain", "--framework tf --strategy mirrored", "x = 1")
