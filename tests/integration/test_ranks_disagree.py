@@ -41,6 +41,17 @@ JOINED = (
 )
 
 
+# What the uneven loop's RanksDisagree says, when the finished rank freed the waiting one.
+FREED = (
+    "no progress for 3 s: rank 1 finished the cell after 10 steps, while rank 0 waits at "
+    "step 10 in DDP's gradient all-reduce in backward() (cell line 12: loss.backward()): a "
+    "collective that rank 1 will never join. The ranks ran different numbers of steps: give "
+    "every rank the same number of batches (DistributedSampler pads; drop_last=True), or "
+    "wrap the loop in torch.distributed.algorithms.Join. nbdist freed rank 0 without killing "
+    "it: the engines are the same."
+)
+
+
 def uneven(loop: str = LOOP) -> str:
     return UNEVEN.replace("LOOP", loop)
 
@@ -63,16 +74,46 @@ def test_uneven_inputs_are_named_and_the_waiting_rank_freed(ready, magics):
         ready.run_cell_magic("distrain", "--stall 3", uneven())
     elapsed = time.monotonic() - start
     print(info.value)
-    assert str(info.value).splitlines()[0] == (
-        "no progress for 3 s: rank 1 finished the cell after 10 steps, while rank 0 waits at "
-        "step 10 in DDP's gradient all-reduce in backward() (cell line 12: loss.backward()): a "
-        "collective that rank 1 will never join. The ranks ran different numbers of steps: give "
-        "every rank the same number of batches (DistributedSampler pads; drop_last=True), or "
-        "wrap the loop in torch.distributed.algorithms.Join. nbdist freed rank 0 without killing "
-        "it: the engines are the same."
-    )
+    assert str(info.value).splitlines()[0] == FREED
     assert elapsed < 3 + 5
     assert _pids(magics) == pids
+    ready.run_cell_magic("distrain", "-o res", "dist.all_reduce(t := torch.ones(1))\nt.item()\n")
+    assert ready.user_ns["res"].values == [2.0, 2.0]
+    assert _pids(magics) == pids
+
+
+# FSDP2 sharding then a few steps: fully_shard's DeviceMesh, kept by DTensor's caches, held a
+# reference to the process group, so a finished rank's destroy left its connections open.
+FSDP2 = textwrap.dedent(
+    """
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    type(model[0].weight).__name__
+    """
+)
+
+
+def test_uneven_inputs_after_an_fsdp2_cell_free_the_waiting_rank(ready, magics):
+    ready.run_cell_magic("distrain", "-o res", FSDP2)
+    assert ready.user_ns["res"].values == ["DTensor", "DTensor"]
+    pids = _pids(magics)
+    with pytest.raises(RanksDisagree) as info:
+        ready.run_cell_magic("distrain", "--stall 3", uneven())
+    assert str(info.value).splitlines()[0] == FREED
+    assert _pids(magics) == pids
+    # The new group serves both FSDP2 and plain collectives, still on the same engines.
+    ready.run_cell_magic("distrain", "-o res", FSDP2)
+    assert ready.user_ns["res"].values == ["DTensor", "DTensor"]
     ready.run_cell_magic("distrain", "-o res", "dist.all_reduce(t := torch.ones(1))\nt.item()\n")
     assert ready.user_ns["res"].values == [2.0, 2.0]
     assert _pids(magics) == pids

@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -72,9 +73,36 @@ def _teardown(slot: dict[str, Any]) -> None:
         return  # nothing to tear down; a full collection costs ~0.1 s on an engine with torch
     gc.collect()
     if dist.is_initialized():
+        _unpin_device_meshes()
         dist.destroy_process_group()
     slot.clear()
     gc.collect()
+
+
+def _unpin_device_meshes() -> None:
+    """Drop the process groups that live ``DeviceMesh`` objects hold, so destroying the group
+    closes this rank's connections.
+
+    A gloo group's sockets close only when its last reference goes. ``fully_shard`` (and any
+    DTensor) builds a ``DeviceMesh`` whose ``_pg_registry`` holds the group, and DTensor's
+    redistribution and sharding caches keep the mesh for the process's life, past the model
+    and past ``destroy_process_group``. Measured (torch 2.13, gloo, 2 processes): after an
+    FSDP2 step a peer blocked in an all-reduce was freed only when the process exited; with
+    the registries cleared before the destroy, in 0.6 s. The registry serves only while
+    ``torch.compile`` traces through the mesh; a mesh of a destroyed group is dead anyway.
+    The heap walk costs ~0.1 s, on top of the collections around it.
+    """
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    mesh_type = getattr(device_mesh, "DeviceMesh", None)
+    if not isinstance(mesh_type, type):
+        return
+    for obj in gc.get_objects():
+        # Not isinstance(): DeviceMesh's metaclass would look into every object for a wrapped
+        # mesh (and warn on some of them).
+        if issubclass(type(obj), mesh_type):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def prepare(
