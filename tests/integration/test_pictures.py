@@ -76,9 +76,6 @@ def test_fsdp2_counts_samples(ready, magics):
         assert len(points) == 40
         assert [p.get("samples") for p in points] == [32] * 40  # once per step, not per layer
     assert all(len(xs) >= 2 for xs, _ in _rate_lines(magics))
-    # Fresh engines for the next tests: after fully_shard a finished rank can no longer free a
-    # peer blocked in a collective (it has to be killed; see the README), even after a reset.
-    ready.run_line_magic("distrain", "restart")
 
 
 def test_the_rank_that_keeps_the_others_waiting_is_named(ready, capsys):
