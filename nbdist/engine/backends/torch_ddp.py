@@ -11,7 +11,9 @@ Lifecycle (see ``shared/NOTES.md`` for the measurements behind it):
   group that passes keeps serving the session (the workers' variables stay).
 * When the group is broken, the worker drops every variable, collects garbage and calls
   :func:`recover`, which destroys the group. Destroying it on a rank closes its connections,
-  which frees peers blocked in an allreduce within a second (SIGINT does not).
+  which frees peers blocked in an allreduce within a second (SIGINT does not) — but only once
+  nothing else holds the group object: DDP models (dropped with the variables) and FSDP2's
+  device meshes (:func:`_unpin_device_meshes`).
 """
 
 from __future__ import annotations
