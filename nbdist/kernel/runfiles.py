@@ -129,24 +129,26 @@ def same_process(proc: Proc) -> bool:
         return False
 
 
-def tree_of(proc: Proc) -> list:
-    """What is left of the process ``proc`` (psutil processes): itself if it still runs, its
-    descendants, and the processes still in the session it leads. ipyparallel starts each
+def tree_of(*procs: Proc) -> list:
+    """What is left of the processes ``procs`` (psutil processes): each one if it still runs,
+    its descendants, and the processes still in the session it leads. ipyparallel starts each
     controller and engine in a session of its own; a controller stopped while it starts exits
     before its scheduler children, which then belong to no parent but stay in that session."""
     import psutil
 
-    pid, created = proc
     out = {}
-    if same_process(proc):
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            out = {p.pid: p for p in (root, *root.children(recursive=True))}
-    for p in psutil.process_iter():
+    for proc in procs:
+        if same_process(proc):
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(proc[0])
+                out.update({p.pid: p for p in (root, *root.children(recursive=True))})
+    leaders = dict(procs)
+    for p in psutil.process_iter():  # one pass for all of them
         with contextlib.suppress(psutil.Error, OSError):
             # A session's id is its leader's PID, never given to a new process while the
             # session has members; born after the leader: not an older process that was there.
-            if os.getsid(p.pid) == pid and p.create_time() >= created - CREATE_TIME_SLACK_S:
+            created = leaders.get(os.getsid(p.pid))
+            if created is not None and p.create_time() >= created - CREATE_TIME_SLACK_S:
                 out.setdefault(p.pid, p)
     return [p for p in out.values() if _running(p)]
 
@@ -267,14 +269,14 @@ class Reaper:
         (a stop during a background start, at the kernel's exit, left a controller that was
         still starting behind, or its scheduler children).
         """
+        import psutil
+
         deadline = time.monotonic() + grace_s
-        while True:
-            left = [p for proc in self.record.procs for p in tree_of(proc)]
-            if not left or time.monotonic() > deadline:
-                break
+        while (left := tree_of(*self.record.procs)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for proc in self.record.procs:
-            kill_tree(proc)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil refuses a PID that now names another process
         if left:
             log.info("killed %d cluster process(es) that outlived the stop", len(left))
         self.record.remove()
