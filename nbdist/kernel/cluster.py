@@ -291,7 +291,6 @@ class LocalCluster(RankedEngines):
             return
         cluster, client = self._cluster, self._client
         pids = [e.pid for e in self.engines]
-        self._record_pids()  # what runs now is waited for (and killed if it stays) at the end
         self._cluster = self._client = None
         atexit.unregister(self.stop)
         self._forget_engines()

@@ -228,10 +228,22 @@ class RunRecord:
         self.write([])
 
     def write(self, pids: Iterable[int | None]) -> None:
-        """Record exactly ``pids`` (those still running) as the cluster's processes."""
+        """Record exactly ``pids`` (those still running) as the cluster's processes.
+
+        A PID recorded before keeps the create time it was recorded with, and is dropped when
+        that process is gone: a dead engine's PID, reused by another process (PIDs wrap at
+        32768 here), must never become that process's record — a stop kills what it records.
+        """
+        known = dict(self.procs)
         procs = []
         for pid in pids:
-            created = create_time(pid) if pid else None
+            if not pid:
+                continue
+            if pid in known:
+                if same_process((pid, known[pid])):
+                    procs.append((pid, known[pid]))
+                continue
+            created = create_time(pid)
             if created is not None:
                 procs.append((pid, created))
         self.procs = procs

@@ -310,3 +310,20 @@ def test_the_longest_socket_path_is_the_one_a_cluster_binds(tmp_path):
         assert runfiles.longest_socket_path(tmp_path) == real + 7 - len(str(os.getpid()))
     finally:
         record.remove()
+
+
+def test_a_recorded_pid_keeps_its_identity_across_writes(tmp_path, sleepers):
+    """A stop kills what the record names: a PID written again must still be the process first
+    recorded, never whatever process has that PID now (PIDs wrap, at 32768 here)."""
+    record = RunRecord(tmp_path)
+    a, b = sleepers(), sleepers()
+    record.write([a.pid, b.pid])
+    first = dict(record.procs)
+    record.procs = [(a.pid, first[a.pid]), (b.pid, first[b.pid] - 100)]  # b's PID: reused since
+    record.write([a.pid, b.pid])
+    assert record.procs == [(a.pid, first[a.pid])]
+    a.kill()
+    a.wait()
+    record.write([a.pid])
+    assert record.procs == []
+    record.remove()
