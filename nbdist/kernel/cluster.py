@@ -90,6 +90,7 @@ class LocalCluster(RankedEngines):
         # ended, held for the first command that needs the cluster.
         self._thread: threading.Thread | None = None
         self._cancel: threading.Event | None = None  # set: that background start stops
+        self._done: threading.Event | None = None  # set: that background start has ended
         self._held: list[str] = []
         self._shown_notify: Callable[[str], None] | None = None
         self._background_error: BaseException | None = None
@@ -114,34 +115,44 @@ class LocalCluster(RankedEngines):
             return
         # Its own cancel flag, read by that thread only: a start in the notebook's thread
         # after it never sees a cancel meant for it.
-        self._cancel = threading.Event()
+        self._cancel, self._done = threading.Event(), threading.Event()
         self._held, self._background_error = [], None
         self._shown_notify, self._notify = self._notify, self._held.append
         self._thread = threading.Thread(
-            target=self._start_held, args=(n, self._cancel), name="nbdist-prestart", daemon=True
+            target=self._start_held,
+            args=(n, self._cancel, self._done),
+            name="nbdist-prestart",
+            daemon=True,
         )
         atexit.register(self.stop)
         self._thread.start()
 
-    def _start_held(self, n: int | None, cancel: threading.Event) -> None:
+    def _start_held(self, n: int | None, cancel: threading.Event, done: threading.Event) -> None:
         try:
             self.start(n, connect=False, cancel=cancel)
         except BaseException as e:  # noqa: B036 - held for the first command, raised there
             self._background_error = e
+        finally:
+            done.set()
 
     def _wait_background(self, *, connect: bool = True) -> None:
         """Wait for a background start to end; show what it said (in the cell that waits), and
-        connect the notebook's client to its engines (``connect``)."""
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
+        connect the notebook's client to its engines (``connect``).
+
+        It waits on the start's own ``done`` event, never in ``Thread.join`` or ``is_alive``:
+        a Ctrl-C that interrupts those (CPython 3.11) releases the thread's state lock and marks
+        it stopped while it still runs, and the start then ended after the cell had moved on.
+        """
+        thread, done = self._thread, self._done
+        if thread is None or done is None or thread is threading.current_thread():
             return
         try:
-            while thread.is_alive():
-                thread.join(0.05)
+            while not done.is_set():
+                time.sleep(0.05)
         except KeyboardInterrupt:
             self._cancel_background()  # it stops at its next step and stops what it started
             with sigint_ignored():
-                thread.join()
+                done.wait()
                 self._end_background(show=False)
                 if self._unconnected is not None:  # launched before it saw the cancel
                     self._unconnected = None
@@ -160,7 +171,7 @@ class LocalCluster(RankedEngines):
             self._cancel.set()
 
     def _end_background(self, *, show: bool) -> None:
-        self._thread, self._cancel = None, None
+        self._thread, self._cancel, self._done = None, None, None
         self._notify, self._shown_notify = self._shown_notify or self._notify, None
         held, self._held = self._held, []
         error, self._background_error = self._background_error, None

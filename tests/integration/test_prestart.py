@@ -104,8 +104,12 @@ def test_a_failed_background_start_is_shown_in_status_and_the_first_cell(
 
 def test_interrupt_while_the_first_cell_waits_for_the_start(prestarting, monkeypatch):
     """The SIGINT arrives while the background thread launches the engines, a second or more
-    after the first cell began to wait for it."""
+    after the first cell began to wait for it. The cell returns only once that start has
+    stopped what it started: it used to return at once when the interrupt cut into
+    ``Thread.join`` (which then takes a running thread for stopped), and the start's
+    cancellation reached the next cell as a KeyboardInterrupt."""
     real = cluster_module._ipp_cluster
+    start_stopped = threading.Event()
 
     def hooked(*args, **kwargs):
         ipp_cluster = real(*args, **kwargs)
@@ -113,18 +117,31 @@ def test_interrupt_while_the_first_cell_waits_for_the_start(prestarting, monkeyp
 
         def interrupt_the_waiting_cell(*a, **k):
             os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits
+            time.sleep(0.5)  # the interrupt lands while this start still runs
             return start_engines(*a, **k)
 
         ipp_cluster.start_engines_sync = interrupt_the_waiting_cell
         return ipp_cluster
 
+    cluster = prestarting.cluster
+    real_stop = cluster._stop
+
+    def stop_seen():
+        real_stop()
+        if threading.current_thread() is not threading.main_thread():
+            start_stopped.set()  # the cancelled start stopped its own processes
+
     monkeypatch.setattr(cluster_module, "_ipp_cluster", hooked)
+    monkeypatch.setattr(cluster, "_stop", stop_seen)
     with no_process_left():
         prestarting.start_in_background()
         with pytest.raises(KeyboardInterrupt):
             prestarting.distrain("", "x = 1\n")
-        assert not prestarting.cluster.running
-    monkeypatch.setattr(cluster_module, "_ipp_cluster", real)
+        assert start_stopped.is_set()
+        assert cluster.background_error is None
+        assert not cluster.running
+    monkeypatch.undo()
+    monkeypatch.setenv(PRESTART_ENV, "1")
     with no_process_left():
         prestarting.distrain("-o res", "world_size\n")  # the next cell starts workers
         assert prestarting.shell.user_ns["res"].values == [2, 2]
@@ -137,30 +154,20 @@ def test_interrupt_just_after_the_background_start_ended(prestarting, monkeypatc
     afresh (a cancel flag shared by both starts used to stop it at its first step)."""
     cluster = prestarting.cluster
     real = cluster.start
-    told = threading.Event()
 
     def start_then_interrupt(*args, **kwargs):
         real(*args, **kwargs)
         if threading.current_thread() is not threading.main_thread():
             os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this one
-            told.wait(10)  # the thread ends only once the interrupt was taken
+            # The start ends only once the interrupt was taken (the waiting cell cancels it).
+            assert kwargs["cancel"].wait(10)
 
     monkeypatch.setattr(cluster, "start", start_then_interrupt)
-    real_join = threading.Thread.join
-
-    def join(self, timeout=None):  # the main thread's wait, interrupted by the SIGINT
-        try:
-            return real_join(self, timeout)
-        except KeyboardInterrupt:
-            told.set()
-            raise
-
-    monkeypatch.setattr(threading.Thread, "join", join)
     with no_process_left():
         prestarting.start_in_background()
         with pytest.raises(KeyboardInterrupt):
             prestarting.distrain("", "x = 1\n")
-        assert told.is_set()
+        assert cluster.background_error is None
         assert not cluster.running
     monkeypatch.undo()
     monkeypatch.setenv(PRESTART_ENV, "1")
