@@ -3,9 +3,9 @@
 A kernel that is killed outright (nbval and Jupyter's forced restarts send SIGKILL) runs no
 atexit handler, and its controller and engines would keep running, holding memory and GPUs. The
 reaper is a small child process started with the cluster, in its own session so the kernel's
-death does not take it along. It watches the kernel, by PID *and* create time (a recycled PID is
+death does not take it along. It watches the kernel, by PID *and* start time (a recycled PID is
 not the kernel); when the kernel is gone it kills the process trees listed in the run record
-(:mod:`nbdist.kernel.runfiles`), each only if its create time still matches. When the cluster is
+(:mod:`nbdist.kernel.runfiles`), each only if its start time still matches. When the cluster is
 stopped normally the record is removed and the reaper exits.
 
     python -m nbdist.kernel.reaper RECORD

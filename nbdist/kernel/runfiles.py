@@ -2,10 +2,13 @@
 
 Each local cluster has one *run record*, ``nbdist-<kernel pid>-<random>.pids``, in a per-user
 directory made 0700 (:func:`run_dir`). It names the owning kernel and every process the cluster
-started, each as ``(pid, create time)``: a PID alone may name an unrelated process after the
-original exited (PID reuse, or a reboot with a persistent temp directory). The reaper
-(:mod:`nbdist.kernel.reaper`) and :func:`clean_stale` kill a listed process only when its create
-time still matches, and read a record only when this user owns it and nobody else can write it.
+started, each as ``(pid, start)``: a PID alone may name an unrelated process after the original
+exited (PID reuse, or a reboot with a persistent temp directory). ``start`` is when the process
+began in seconds since boot, from the kernel's own tick count (:func:`started`), and the record
+holds this boot's id: a wall-clock create time (psutil's) moves when the clock is set (NTP), and
+the same process then read as another one. The reaper (:mod:`nbdist.kernel.reaper`) and
+:func:`clean_stale` kill a listed process only when its start still matches, and read a record
+only when this user owns it and nobody else can write it.
 
 A record is rewritten (atomically: ``mkstemp`` + ``os.replace``) as soon as each process exists:
 the network-namespace holder, the controller, each engine at launch (also while engines are
@@ -34,8 +37,8 @@ from nbdist.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
-# psutil derives a create time from the boot time and the start tick (10 ms): equal for one
-# process across reads; a different process with the same PID differs by at least a tick.
+# A process's start is a count of clock ticks (10 ms): equal for one process across reads; a
+# different process with the same PID differs by at least a tick.
 CREATE_TIME_SLACK_S = 0.005
 MAX_RECORD_BYTES = 1 << 16
 STOP_GRACE_S = 3.0  # for a stopped cluster's processes to exit before they are killed
@@ -105,28 +108,61 @@ def run_dir() -> Path:
     )
 
 
-def create_time(pid: int) -> float | None:
+def _stat(pid: int) -> tuple[str, float] | None:
+    """Process ``pid``'s state letter and start (seconds since boot), or None if there is none.
+
+    Linux: ``/proc/PID/stat``, field 3 and field 22 (start in clock ticks), read past the
+    command name's closing parenthesis (a name may hold spaces and parentheses). Elsewhere
+    psutil's create time, in wall-clock seconds, stands in.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        if _HAS_PROC:
+            return None
+        return _psutil_stat(pid)
+    except OSError:
+        return None
+    fields = text[text.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[19]) / _CLOCK_TICKS
+
+
+def _psutil_stat(pid: int) -> tuple[str, float] | None:
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        p = psutil.Process(pid)
+        return ("Z" if p.status() == psutil.STATUS_ZOMBIE else "R"), p.create_time()
     except psutil.Error:
         return None
 
 
-def same_process(proc: Proc) -> bool:
-    """Whether the process ``(pid, create_time)`` still runs (a zombie counts as gone)."""
-    import psutil
+_HAS_PROC = os.path.isdir("/proc/self")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    pid, created = proc
+
+def started(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since boot (None: no such process). Never
+    changes for a process, whatever the clock does."""
+    stat_ = _stat(pid)
+    return None if stat_ is None else stat_[1]
+
+
+def boot_id() -> str:
+    """This boot's id (Linux; "" elsewhere): a record of another boot names no process."""
     try:
-        p = psutil.Process(pid)
-        return (
-            abs(p.create_time() - created) <= CREATE_TIME_SLACK_S
-            and p.status() != psutil.STATUS_ZOMBIE
-        )
-    except psutil.Error:
-        return False
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def same_process(proc: Proc) -> bool:
+    """Whether the process ``(pid, start)`` still runs (a zombie counts as gone)."""
+    pid, start = proc
+    stat_ = _stat(pid)
+    return stat_ is not None and abs(stat_[1] - start) <= CREATE_TIME_SLACK_S and stat_[0] != "Z"
 
 
 def tree_of(*procs: Proc) -> list:
@@ -142,13 +178,23 @@ def tree_of(*procs: Proc) -> list:
             with contextlib.suppress(psutil.Error):
                 root = psutil.Process(proc[0])
                 out.update({p.pid: p for p in (root, *root.children(recursive=True))})
-    leaders = dict(procs)
+    # The sessions led by a recorded process: still its session while that process runs (or
+    # is a zombie), or while no process has its PID (orphans in the session keep the PID from
+    # being given out again). A PID held by another process now leads that process's session:
+    # another cluster's controller or engine, say, once PIDs wrapped.
+    leaders = {}
+    for pid, start in procs:
+        now = started(pid)
+        if now is None or abs(now - start) <= CREATE_TIME_SLACK_S:
+            leaders[pid] = start
     for p in psutil.process_iter():  # one pass for all of them
         with contextlib.suppress(psutil.Error, OSError):
-            # A session's id is its leader's PID, never given to a new process while the
-            # session has members; born after the leader: not an older process that was there.
-            created = leaders.get(os.getsid(p.pid))
-            if created is not None and p.create_time() >= created - CREATE_TIME_SLACK_S:
+            # A session's id is its leader's PID; born after the leader: not an older process.
+            start = leaders.get(os.getsid(p.pid))
+            if start is None:
+                continue
+            born = started(p.pid)
+            if born is not None and born >= start - CREATE_TIME_SLACK_S:
                 out.setdefault(p.pid, p)
     return [p for p in out.values() if _running(p)]
 
@@ -205,12 +251,17 @@ def read_trusted(path: str | Path) -> str | None:
 
 
 def parse_record(text: str) -> tuple[Proc, list[Proc]] | None:
+    """The kernel and the processes of a record; None if it cannot be read. A record of an
+    earlier boot names a kernel that is gone and no process that can still run."""
     try:
         data = json.loads(text)
         kernel = (int(data["kernel"][0]), float(data["kernel"][1]))
         procs = [(int(p), float(t)) for p, t in data["procs"]]
-    except (ValueError, KeyError, TypeError, IndexError):
+        boot = str(data.get("boot", ""))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
+    if boot != boot_id():
+        return (kernel[0], -1.0), []
     return kernel, procs
 
 
@@ -220,7 +271,8 @@ class RunRecord:
     def __init__(self, directory: Path | None = None) -> None:
         folder = directory or run_dir()
         pid = os.getpid()
-        self.kernel: Proc = (pid, create_time(pid) or 0.0)
+        self.kernel: Proc = (pid, started(pid) or 0.0)
+        self.boot = boot_id()
         fd, name = tempfile.mkstemp(prefix=f"nbdist-{pid}-", suffix=".pids", dir=folder)
         os.close(fd)
         self.path = Path(name)
@@ -230,7 +282,7 @@ class RunRecord:
     def write(self, pids: Iterable[int | None]) -> None:
         """Record exactly ``pids`` (those still running) as the cluster's processes.
 
-        A PID recorded before keeps the create time it was recorded with, and is dropped when
+        A PID recorded before keeps the start it was recorded with, and is dropped when
         that process is gone: a dead engine's PID, reused by another process (PIDs wrap at
         32768 here), must never become that process's record — a stop kills what it records.
         """
@@ -243,11 +295,12 @@ class RunRecord:
                 if same_process((pid, known[pid])):
                     procs.append((pid, known[pid]))
                 continue
-            created = create_time(pid)
-            if created is not None:
-                procs.append((pid, created))
+            start = started(pid)
+            if start is not None:
+                procs.append((pid, start))
         self.procs = procs
-        write_atomic(self.path, json.dumps({"kernel": self.kernel, "procs": procs}))
+        record = {"kernel": self.kernel, "boot": self.boot, "procs": procs}
+        write_atomic(self.path, json.dumps(record))
 
     @property
     def sockets(self) -> Path:
@@ -317,7 +370,7 @@ def clean_stale(directory: str | Path | None = None) -> int:
     """Kill the cluster processes of kernels that died without stopping them; returns how many.
 
     The reaper normally does this; this catches what it could not (say the reaper was killed
-    too). Only records this user owns and only processes whose create time still matches are
+    too). Only records this user owns and only processes whose start time still matches are
     acted on; a record that cannot be read is skipped, never fatal.
     """
     folder = Path(directory) if directory is not None else run_dir()

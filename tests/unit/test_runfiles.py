@@ -43,11 +43,27 @@ def _dead_pid() -> int:
 
 
 def _ct(pid: int) -> float:
-    return psutil.Process(pid).create_time()
+    """The process's start as a record holds it: clock ticks since boot, in seconds."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def _record(path, kernel, procs, mode=0o600):
-    path.write_text(json.dumps({"kernel": list(kernel), "procs": [list(p) for p in procs]}))
+def _boot() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+def _record(path, kernel, procs, mode=0o600, boot=None):
+    path.write_text(
+        json.dumps(
+            {
+                "kernel": list(kernel),
+                "boot": _boot() if boot is None else boot,
+                "procs": [list(p) for p in procs],
+            }
+        )
+    )
     path.chmod(mode)
     return path
 
@@ -180,11 +196,63 @@ def test_reaper_stop_kills_what_is_left_after_the_grace(tmp_path, sleepers):
     assert reap.process.poll() is not None
 
 
-def test_same_process_compares_create_time(sleepers):
+def test_same_process_compares_the_start(sleepers):
     proc = sleepers()
     assert same_process((proc.pid, _ct(proc.pid)))
-    assert not same_process((proc.pid, _ct(proc.pid) + 1))
+    assert not same_process((proc.pid, _ct(proc.pid) + 0.01))  # one tick later: another one
     assert not same_process((_dead_pid(), 1.0))
+
+
+def test_a_clock_that_is_set_changes_no_identity(tmp_path, sleepers, monkeypatch):
+    """psutil's create time is the boot time (which moves when the clock is set: NTP) plus the
+    start: the record's identity is the start alone, so a live kernel stays alive."""
+    proc = sleepers()
+    record = RunRecord(tmp_path)
+    record.write([proc.pid])
+    import psutil._pslinux as pslinux
+
+    real = pslinux.boot_time
+    monkeypatch.setattr(pslinux, "boot_time", lambda: real() + 1.0)
+    moved = psutil.Process(proc.pid).create_time() - (real() + _ct(proc.pid))
+    assert moved == pytest.approx(1.0, abs=0.02)  # what psutil says moved by the second
+    assert same_process(record.kernel) and same_process(record.procs[0])
+    assert clean_stale(tmp_path) == 0
+    assert proc.poll() is None
+    record.remove()
+
+
+def test_a_record_of_an_earlier_boot_kills_nothing(tmp_path, sleepers):
+    """After a reboot PIDs and starts begin again: an old record's (pid, start) may match a
+    new process exactly, and only the boot id tells them apart."""
+    victim = sleepers()
+    _record(
+        tmp_path / "nbdist-1-abc.pids",
+        (_dead_pid(), 1.0),
+        [(victim.pid, _ct(victim.pid))],
+        boot="00000000-0000-0000-0000-000000000000",
+    )
+    assert clean_stale(tmp_path) == 0
+    time.sleep(0.2)
+    assert victim.poll() is None
+    assert list(tmp_path.iterdir()) == []  # the stale record itself is removed
+
+
+def test_a_session_whose_leaders_pid_names_another_process_now_is_left_alone(sleepers):
+    """A recorded session leader that is gone, its PID now held by another process that leads
+    a session of its own (another cluster's engine, once PIDs wrapped): that session is not
+    the recorded one, and nothing in it is swept up."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    try:
+        recorded = (other.pid, _ct(other.pid) - 30)  # the same PID, started long before
+        assert runfiles.tree_of(recorded) == []
+        assert not kill_tree(recorded)
+        time.sleep(0.2)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_reaper_treats_a_recycled_kernel_pid_as_gone(tmp_path, sleepers):
@@ -212,6 +280,7 @@ def test_run_record_is_private_and_atomic(tmp_path, sleepers):
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert json.loads(record.path.read_text()) == {
         "kernel": [os.getpid(), _ct(os.getpid())],
+        "boot": _boot(),
         "procs": [[proc.pid, _ct(proc.pid)]],
     }
     assert [p.name for p in tmp_path.iterdir()] == [record.path.name]  # no temporary left
