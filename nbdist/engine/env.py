@@ -43,3 +43,77 @@ def sigint_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """A Ctrl-C that lands in a finalizer is delivered again, so the cell still stops.
+
+    Python prints an exception raised in a ``__del__`` (or a weakref callback the garbage
+    collector runs) as "Exception ignored in ..." and goes on; when that exception is the
+    KeyboardInterrupt of an interrupt, the rank keeps running while its peers stopped. Seen in
+    a Keras ``fit``: TensorFlow's ``AtomicFunction.__del__`` took the interrupt of one rank,
+    which trained on into a collective its stopped peer never joined. Main thread only.
+
+    The interrupt is raised again from another thread a moment later (raised in the main
+    thread at once, it would land in the hook itself, and be ignored again); one still on its
+    way when the block ends is raised as it ends.
+    """
+    import sys
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    redeliver = _Redelivery()
+    previous = sys.unraisablehook
+
+    def hook(unraisable: object) -> None:
+        exc_type = getattr(unraisable, "exc_type", None)
+        if (
+            isinstance(exc_type, type)
+            and issubclass(exc_type, KeyboardInterrupt)
+            and threading.current_thread() is threading.main_thread()
+        ):
+            redeliver.soon()
+            return
+        previous(unraisable)  # type: ignore[arg-type]
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        if redeliver.end():
+            raise KeyboardInterrupt
+
+
+class _Redelivery:
+    """An interrupt to raise in the main thread again, from a helper thread."""
+
+    DELAY_S = 0.005  # the hook has returned by then
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0  # deliveries on their way
+        self._ended = False
+
+    def soon(self) -> None:
+        with self._lock:
+            self._waiting += 1
+        threading.Thread(target=self._deliver, name="nbdist-interrupt", daemon=True).start()
+
+    def _deliver(self) -> None:
+        import _thread
+        import time
+
+        time.sleep(self.DELAY_S)
+        with self._lock:
+            self._waiting -= 1
+            if not self._ended:
+                _thread.interrupt_main()  # raised at the next line the main thread runs
+
+    def end(self) -> bool:
+        """No delivery after this; whether one was still on its way."""
+        self._ended = True  # first: an interrupt raised while waiting for the lock still ends
+        with self._lock:
+            return self._waiting > 0

@@ -27,7 +27,7 @@ import traceback
 from typing import Any
 
 from nbdist.engine import backends
-from nbdist.engine.env import patch_environment, sigint_ignored
+from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
@@ -174,7 +174,8 @@ def run_rank(spec: RankSpec) -> RankReport:
             )
             namespace.update(spec.push)
             _figures_as_png(state)
-            value = run_source(spec.source, spec.filename, namespace)
+            with interrupts_kept():
+                value = run_source(spec.source, spec.filename, namespace)
             report.value = value if _picklable(value) else None
             report.value_repr = None if value is None else _repr(value)
             del value

@@ -357,6 +357,41 @@ def test_notebook_interrupt_stops_every_rank(ready, magics):
     assert ready.user_ns["res"].values == [2, 2]
 
 
+def test_an_interrupt_a_finalizer_took_still_stops_every_rank(ready, magics, capsys):
+    """Python drops a KeyboardInterrupt raised in a ``__del__`` ("Exception ignored in"): the
+    rank would compute on and be killed. The engines deliver it again; nothing is killed."""
+    import os
+    import signal
+    import threading
+
+    from nbdist import JobInterrupted
+
+    cell = (
+        "import time\n"
+        "class Slow:\n"
+        "    def __del__(self):\n"
+        "        time.sleep(3)  # the interrupt, 1.5 s in, lands here\n"
+        "Slow()\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    pids = [e.pid for e in magics.cluster.engines]
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted) as info:
+        ready.run_cell_magic("distrain", "--no-plot", cell)
+    timer.join()
+    assert str(info.value).splitlines()[0] == (
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1."
+    )
+    assert time.monotonic() - start < 1.5 + 3
+    assert [e.pid for e in magics.cluster.engines] == pids
+    assert "Exception ignored" not in capsys.readouterr().err
+    ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")
+    assert ready.user_ns["res"].values == [2, 2]
+
+
 def test_every_logged_point_arrives_in_order(ready):
     cell = "for i in range(3000):\n    log(value=i * (rank + 1))\nnbdist_done = True\n"
     ready.run_cell_magic("distrain", "-o res --framework torch", cell)
