@@ -10,7 +10,9 @@ group frees its peers), the collective timeout for TensorFlow.
    peers blocked in a collective with them fail within ``peer_release_s``; ranks that are still
    computing may finish on their own (then the group may be kept). On a stall, ``--timeout`` or
    an interrupt, ranks that are done (or that ``--on`` left out) drop their part at once: the
-   waiting ranks are freed without being killed.
+   waiting ranks are freed without being killed. A backend whose ranks cannot free their peers
+   that way (``RELEASE_FREES_PEERS`` false: TensorFlow, whose collective timeout frees them)
+   leaves the ranks that are done alone until no rank waits.
 2. Ranks still running ``peer_release_s + PEER_GRACE_S`` later (at once on ``--timeout`` or the
    notebook's interrupt) get SIGINT: a rank in Python code (a sleep, a loop) stops at once.
 3. Ranks still running ``peer_release_s + KILL_GRACE_S`` after that are killed and every engine
@@ -111,6 +113,7 @@ class Job:
         self.rounds = Rounds(len(specs), PUMP_EVERY_S)
         self.watch = Watch()
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
+        self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
         self.ars: list[Any] = []
@@ -123,8 +126,10 @@ class Job:
         joining = [self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         self.ars = ars
-        release = backends.load(self.framework).peer_release_s(self.specs[0].options)
+        backend = backends.load(self.framework)
+        release = backend.peer_release_s(self.specs[0].options)
         self._release_s = release
+        self._frees_peers = backend.RELEASE_FREES_PEERS
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
@@ -258,15 +263,21 @@ class Job:
                     # The group is broken now: the ranks that are done (or that --on left out)
                     # drop their part of it, which frees peers blocked in a collective. After a
                     # failure only once the others wait (no CPU use): ranks still computing may
-                    # finish on their own, and the group may then be kept.
+                    # finish on their own, and the group may then be kept. Where that frees
+                    # nobody (TensorFlow), they are left alone: the settling drops every
+                    # session once no rank waits.
                     running = {self.ranks[p] for p in pending}
                     idle = [
                         r for r in range(self.world) if r not in running and r not in self._release
                     ]
-                    if idle and (
-                        watch.reason != "failure"
-                        or waited >= peer_grace
-                        or self._blocked(pending, now)
+                    if (
+                        idle
+                        and self._frees_peers
+                        and (
+                            watch.reason != "failure"
+                            or waited >= peer_grace
+                            or self._blocked(pending, now)
+                        )
                     ):
                         self._release_ranks(idle)
                     if not watch.interrupted and waited >= peer_grace:

@@ -303,13 +303,27 @@ def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
 
 
 @pytest.mark.parametrize("flags", ["--stall 3", ""])
-def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(tf_ready, magics, flags):
-    """Caught by --stall 3, or (default --stall 60) by the collective's own 15 s timeout."""
+def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(
+    tf_ready, magics, flags, tmp_path
+):
+    """Caught by --stall 3, or (default --stall 60) by the collective's own 15 s timeout. The
+    finished worker's variables are dropped only after the waiting one's collective failed:
+    dropping its strategy while the peer waited crashed TensorFlow now and then."""
     from nbdist import RanksDisagree
 
     cell = textwrap.dedent(
         """
+        import time
         import tensorflow as tf
+
+        class Dropped:  # writes when this rank's variables are dropped
+            def __init__(self, path):
+                self.path = path  # rank and time go with the namespace: only builtins then
+
+            def __del__(self):
+                open(self.path, "w").write(repr(__import__("time").time()))
+
+        marker = Dropped(f"FOLDER/dropped-{rank}")
 
         @tf.function
         def total():
@@ -317,9 +331,13 @@ def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(tf_ready,
             return strategy.reduce("SUM", one, axis=None)
 
         for step in range(3 if rank == 0 else 2):
-            log(step, loss=float(total()))
+            try:
+                log(step, loss=float(total()))
+            except Exception:
+                open(f"FOLDER/failed-{rank}", "w").write(repr(time.time()))
+                raise
         """
-    )
+    ).replace("FOLDER", str(tmp_path))
     pids = [e.pid for e in magics.cluster.engines]
     start = time.monotonic()
     with pytest.raises(RanksDisagree) as info:
@@ -328,12 +346,15 @@ def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(tf_ready,
     lead = "no progress for 3 s: " if flags else ""
     assert str(info.value).splitlines()[0] == lead + (
         "rank 1 finished the cell after 2 steps, while rank 0 waits at "
-        "step 1 (cell line 10: log(step, loss=float(total()))): a collective that rank 1 will "
+        "step 1 (cell line 21: log(step, loss=float(total()))): a collective that rank 1 will "
         "never join. The ranks ran different numbers of steps: give every worker the same number "
         "of steps (the same steps_per_epoch, a dataset each worker reads the same number of "
         "batches from). TensorFlow's collective timeout (15 s) freed rank 0: the engines are "
         "the same."
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dropped-0", "dropped-1", "failed-0"]
+    failed = float((tmp_path / "failed-0").read_text())
+    assert float((tmp_path / "dropped-1").read_text()) >= failed
     # The collective timeout, then up to 2 s for the ranks' last output and 2 s for their last
     # metrics (a clean-clone run took 20.1 s with the job itself at 15.2 s).
     assert elapsed < 15 + 8

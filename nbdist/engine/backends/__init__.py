@@ -6,6 +6,10 @@ A backend module provides:
     the ``--framework`` value it serves.
 ``KEEPS_RENDEZVOUS_AFTER_FAILURE``
     whether engines can run the next job on the same rendezvous after a rank failed.
+``RELEASE_FREES_PEERS``
+    whether a rank that is done can free peers blocked in a collective with it, by dropping
+    its part of the group (``recover``) while they wait; if not, it is left alone until no
+    rank waits any more.
 ``OUTPUT_NOISE`` (optional)
     a regular expression for lines of the framework's own logging that the cell's output
     leaves out (they stay in the result's ``stderr``).
