@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -9,7 +10,19 @@ import psutil
 
 
 def _children() -> dict[int, psutil.Process]:
-    return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    """This process's descendants, from one pass over the process table by parent PID (no
+    create-time filter: psutil's compares wall-clock times, which move when the clock is set)."""
+    procs, kids = {}, {}
+    for p in psutil.process_iter(["ppid"]):
+        procs[p.pid] = p
+        kids.setdefault(p.info["ppid"], []).append(p.pid)
+    out, stack = {}, [os.getpid()]
+    while stack:
+        for pid in kids.get(stack.pop(), []):
+            if pid not in out:
+                out[pid] = procs[pid]
+                stack.append(pid)
+    return out
 
 
 @contextmanager
