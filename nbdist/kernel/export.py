@@ -114,6 +114,24 @@ world_size = dist.get_world_size()
 is_main = rank == 0
 """
 
+_TORCH_TEARDOWN = """\
+# Leave the group as nbdist does: first what holds on to it (a DDP model's reducer, the
+# optimizers), then the group. Destroyed under a live DDP model, gloo can deadlock
+# (pytorch#56297); never destroyed, a process can abort as it exits ("terminate called
+# without an active exception").
+import gc
+
+for _name in [
+    name
+    for name, value in globals().items()
+    if isinstance(value, (nn.parallel.DistributedDataParallel, torch.optim.Optimizer))
+]:
+    del globals()[_name]
+gc.collect()
+if not any(isinstance(o, nn.parallel.DistributedDataParallel) for o in gc.get_objects()):
+    dist.destroy_process_group()  # else a DDP model is still held somewhere: let exit free it
+"""
+
 _TORCH_OWN_INIT = """
 # The cell calls init_process_group itself; rank and world_size come from torchrun's environment.
 rank = int(os.environ["RANK"])
@@ -310,11 +328,7 @@ def export_script(
         + "\n".join(_cell_code(i, c) for i, c in enumerate(cells))
     )
     if last.framework == "torch" and "destroy_process_group" not in used:
-        script += (
-            "\n# --- after the cells " + "-" * 72 + "\n"
-            "# No destroy_process_group() here: with the DDP model still alive it can deadlock\n"
-            "# gloo (pytorch#56297); the process exits next, which frees the group.\n"
-        )
+        script += "\n# --- after the cells " + "-" * 72 + "\n" + _TORCH_TEARDOWN
     if path.exists():
         path.unlink()
     path.write_text(script)
