@@ -171,15 +171,7 @@ def test_a_controller_that_cannot_start_leaves_no_cluster(monkeypatch, tmp_path)
     )
 
 
-@pytest.fixture
-def two_workers(shell, magics):
-    shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2 --framework torch", "pass\n")
-    shell.run_line_magic("distrain", "reset")
-    return shell
-
-
-def test_cells_right_after_a_replacement_run_on_the_new_engines(two_workers, magics):
+def test_cells_right_after_a_replacement_run_on_the_new_engines(fresh_session, magics):
     """A killed engine stays listed by the hub for up to 10 s (heartbeat): a replacement right
     after the kill must wait for new engines, not count the dead one among them."""
     cluster = magics.cluster
@@ -189,8 +181,8 @@ def test_cells_right_after_a_replacement_run_on_the_new_engines(two_workers, mag
     assert not old & {e.engine_id for e in cluster.engines}
     pids = [e.pid for e in cluster.engines]
     for _ in range(3):
-        two_workers.run_cell_magic("distrain", "-o res", "import os\n(rank, os.getpid())\n")
-        assert two_workers.user_ns["res"].values == [(0, pids[0]), (1, pids[1])]
+        fresh_session.run_cell_magic("distrain", "-o res", "import os\n(rank, os.getpid())\n")
+        assert fresh_session.user_ns["res"].values == [(0, pids[0]), (1, pids[1])]
 
 
 SLEEP_IGNORING_SIGINT = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + (
@@ -198,7 +190,7 @@ SLEEP_IGNORING_SIGINT = "import signal, time\nsignal.signal(signal.SIGINT, signa
 )
 
 
-def test_second_interrupt_while_the_engines_are_replaced(two_workers, magics):
+def test_second_interrupt_while_the_engines_are_replaced(fresh_session, magics):
     """Ranks that ignore SIGINT are killed and the engines replaced; a second interrupt during
     that replacement stops the cluster cleanly, and the next cell starts a new one."""
     old = [e.pid for e in magics.cluster.engines]
@@ -207,7 +199,7 @@ def test_second_interrupt_while_the_engines_are_replaced(two_workers, magics):
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(JobInterrupted) as info:
-        two_workers.run_cell_magic("distrain", "--no-plot", SLEEP_IGNORING_SIGINT)
+        fresh_session.run_cell_magic("distrain", "--no-plot", SLEEP_IGNORING_SIGINT)
     timer.join()
     assert str(info.value).splitlines() == [
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1.",
@@ -218,15 +210,17 @@ def test_second_interrupt_while_the_engines_are_replaced(two_workers, magics):
     procs = [psutil.Process(pid) for pid in [*old, controller] if psutil.pid_exists(pid)]
     _, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive
-    two_workers.run_cell_magic("distrain", "-n 2 -o res", "world_size\n")
-    assert two_workers.user_ns["res"].values == [2, 2]
+    fresh_session.run_cell_magic("distrain", "-n 2 -o res", "world_size\n")
+    assert fresh_session.user_ns["res"].values == [2, 2]
 
 
-def test_clean_up_that_cannot_finish_replaces_the_engines(two_workers, magics, monkeypatch, capsys):
+def test_clean_up_that_cannot_finish_replaces_the_engines(
+    fresh_session, magics, monkeypatch, capsys
+):
     """A rank that cannot drop its variables in time (a ``__del__`` that blocks) after an
     interrupt gets the engines replaced; the next cell runs on the new ones."""
     monkeypatch.setattr(failures, "DROP_WAIT_S", 3.0)
-    two_workers.run_cell_magic(
+    fresh_session.run_cell_magic(
         "distrain",
         "",
         # Its own import: the namespace's ``time`` may be cleared before ``slow`` is.
@@ -239,7 +233,7 @@ def test_clean_up_that_cannot_finish_replaces_the_engines(two_workers, magics, m
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(JobInterrupted, match=r"interrupted .*; stopped ranks 0, 1"):
-        two_workers.run_cell_magic("distrain", "--no-plot", "time.sleep(60)\n")
+        fresh_session.run_cell_magic("distrain", "--no-plot", "time.sleep(60)\n")
     timer.join()
     assert (
         "nbdist: replacing the engines (rank 1 could not leave its process group cleanly)"
@@ -249,30 +243,30 @@ def test_clean_up_that_cannot_finish_replaces_the_engines(two_workers, magics, m
     assert len(new) == 2 and not set(old) & set(new)
     _, alive = psutil.wait_procs([psutil.Process(p) for p in old if psutil.pid_exists(p)], 10)
     assert not alive
-    two_workers.run_cell_magic("distrain", "-o res", "import os\n(world_size, os.getpid())\n")
-    assert two_workers.user_ns["res"].values == [(2, new[0]), (2, new[1])]
+    fresh_session.run_cell_magic("distrain", "-o res", "import os\n(world_size, os.getpid())\n")
+    assert fresh_session.user_ns["res"].values == [(2, new[0]), (2, new[1])]
 
 
 # -- the line magics' errors, on real workers ---------------------------------------------------
-def test_pull_errors_name_the_rank_and_the_fix(two_workers):
+def test_pull_errors_name_the_rank_and_the_fix(fresh_session):
     with pytest.raises(UsageError) as info:
-        two_workers.run_line_magic("distrain", "pull nothere --rank 2")
+        fresh_session.run_line_magic("distrain", "pull nothere --rank 2")
     assert str(info.value) == "%distrain pull: --rank 2 does not exist; ranks go from 0 to 1."
     with pytest.raises(
         UsageError,
         match=r"%distrain pull: rank 1: NameError: no variable 'nothere' on this worker",
     ):
-        two_workers.run_line_magic("distrain", "pull nothere --rank 1")
-    two_workers.run_cell_magic("distrain", "", "squares = (i * i for i in range(3))\n")
+        fresh_session.run_line_magic("distrain", "pull nothere --rank 1")
+    fresh_session.run_cell_magic("distrain", "", "squares = (i * i for i in range(3))\n")
     with pytest.raises(
         UsageError,
         match=r"%distrain pull: rank 0: TypeError: squares is a generator, which cannot be sent "
         r"to the notebook",
     ):
-        two_workers.run_line_magic("distrain", "pull squares")
+        fresh_session.run_line_magic("distrain", "pull squares")
 
 
-def test_a_command_on_a_busy_rank_says_so(two_workers, magics, monkeypatch):
+def test_a_command_on_a_busy_rank_says_so(fresh_session, magics, monkeypatch):
     monkeypatch.setattr(commands, "COMMAND_TIMEOUT_S", 0.5)
     busy = magics.cluster.apply_async(1, time.sleep, 3)
     with pytest.raises(
@@ -280,11 +274,11 @@ def test_a_command_on_a_busy_rank_says_so(two_workers, magics, monkeypatch):
         match=r"%distrain vars: rank 1 did not answer within 0.5 s \(is a cell still running "
         r"there\?\); %distrain status shows which rank is busy",
     ):
-        two_workers.run_line_magic("distrain", "vars")
+        fresh_session.run_line_magic("distrain", "vars")
     busy.get(30)
 
 
-def test_set_up_work_on_a_busy_rank_names_it(two_workers, magics, monkeypatch):
+def test_set_up_work_on_a_busy_rank_names_it(fresh_session, magics, monkeypatch):
     """Set-up calls (imports, a rendezvous) wait SETUP_TIMEOUT_S for every rank, then name the
     one that did not answer: here rank 1, busy with a task of its own."""
     monkeypatch.setattr(engines_module, "SETUP_TIMEOUT_S", 5.0)
@@ -305,11 +299,11 @@ def test_set_up_work_on_a_busy_rank_names_it(two_workers, magics, monkeypatch):
     assert busy.ready()
 
 
-def test_compare_of_a_value_that_cannot_be_compared(two_workers):
-    two_workers.run_cell_magic("distrain", "", "ghost = torch.empty(3, device='meta')\n")
+def test_compare_of_a_value_that_cannot_be_compared(fresh_session):
+    fresh_session.run_cell_magic("distrain", "", "ghost = torch.empty(3, device='meta')\n")
     with pytest.raises(
         UsageError,
         match=r"%distrain compare: rank 0: TypeError: cannot compare a meta tensor: it has no "
         r"data",
     ):
-        two_workers.run_line_magic("distrain", "compare ghost")
+        fresh_session.run_line_magic("distrain", "compare ghost")

@@ -35,15 +35,6 @@ sum(losses[-5:]) / 5
 """
 
 
-@pytest.fixture
-def fresh_session(shell, magics):
-    """Two warm workers with nothing in their namespaces."""
-    shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2 --framework torch", "pass\n")
-    shell.run_line_magic("distrain", "reset")
-    return shell
-
-
 def _rss(magics) -> list[int]:
     return [psutil.Process(e.pid).memory_info().rss for e in magics.cluster.engines]
 

@@ -165,18 +165,23 @@ def test_a_holder_that_never_answers_is_given_up_on(network, monkeypatch):
     assert not network.private and holder.returncode == -9
 
 
-def test_engine_that_cannot_enter_the_namespace_exits():
-    """setns refused by the kernel (here: joining the user namespace it is already in, EINVAL):
-    the engine says which call failed and exits before it registers."""
-    env = {**os.environ, "NBDIST_NETNS_PID": str(os.getpid()), "NBDIST_NETNS_USER": "1",
-           "NBDIST_PRELOAD": ""}  # fmt: skip
-    out = subprocess.run(
+def _boot(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """An engine's boot in a process of its own, as the engine launcher starts it."""
+    return subprocess.run(
         [sys.executable, "-m", "nbdist.engine.boot"],
         env=env,
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_engine_that_cannot_enter_the_namespace_exits():
+    """setns refused by the kernel (here: joining the user namespace it is already in, EINVAL):
+    the engine says which call failed and exits before it registers."""
+    env = {**os.environ, "NBDIST_NETNS_PID": str(os.getpid()), "NBDIST_NETNS_USER": "1",
+           "NBDIST_PRELOAD": ""}  # fmt: skip
+    out = _boot(env)
     assert out.returncode == 1
     assert out.stderr == (
         "nbdist: engine could not join the cluster's private network: [Errno 22] "
@@ -186,13 +191,7 @@ def test_engine_that_cannot_enter_the_namespace_exits():
 
 def test_engine_that_cannot_join_exits(tmp_path):
     env = {**os.environ, "NBDIST_NETNS_PID": "999999999", "NBDIST_PRELOAD": ""}
-    out = subprocess.run(
-        [sys.executable, "-m", "nbdist.engine.boot"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = _boot(env)
     assert out.returncode == 1
     assert out.stderr.startswith(
         "nbdist: engine could not join the cluster's private network: [Errno 2]"
