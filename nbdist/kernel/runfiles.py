@@ -38,7 +38,8 @@ from nbdist.errors import ClusterError
 log = logging.getLogger(__name__)
 
 # A process's start is a count of clock ticks (10 ms): equal for one process across reads; a
-# different process with the same PID differs by at least a tick.
+# different process with the same PID differs by at least a tick. (The name is older than
+# that: it was a slack on psutil's create times.)
 CREATE_TIME_SLACK_S = 0.005
 MAX_RECORD_BYTES = 1 << 16
 STOP_GRACE_S = 3.0  # for a stopped cluster's processes to exit before they are killed
@@ -124,8 +125,11 @@ def _stat(pid: int) -> tuple[str, float] | None:
         return _psutil_stat(pid)
     except OSError:
         return None
-    fields = text[text.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[19]) / _CLOCK_TICKS
+    try:
+        fields = text[text.rindex(b")") + 2 :].split()
+        return fields[0].decode(), int(fields[19]) / _CLOCK_TICKS
+    except (ValueError, IndexError, UnicodeDecodeError):  # not the format documented in proc(5)
+        return None
 
 
 def _psutil_stat(pid: int) -> tuple[str, float] | None:
@@ -144,7 +148,8 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def started(pid: int) -> float | None:
     """When process ``pid`` started, in seconds since boot (None: no such process). Never
-    changes for a process, whatever the clock does."""
+    changes for a process, whatever the clock does (on Linux; elsewhere psutil's create time,
+    in wall-clock seconds, which does)."""
     stat_ = _stat(pid)
     return None if stat_ is None else stat_[1]
 
@@ -252,12 +257,18 @@ def read_trusted(path: str | Path) -> str | None:
 
 def parse_record(text: str) -> tuple[Proc, list[Proc]] | None:
     """The kernel and the processes of a record; None if it cannot be read. A record of an
-    earlier boot names a kernel that is gone and no process that can still run."""
+    earlier boot names a kernel that is gone and no process that can still run.
+
+    The processes are under ``"started"``: records of nbdist versions that wrote wall-clock
+    create times under ``"procs"`` are not read here (their times compare with nothing this
+    version measures), and those versions do not read these (no ``"procs"``): a kernel still
+    running an older nbdist keeps its cluster, and its record, whatever this one reads.
+    """
     try:
         data = json.loads(text)
         kernel = (int(data["kernel"][0]), float(data["kernel"][1]))
-        procs = [(int(p), float(t)) for p, t in data["procs"]]
-        boot = str(data.get("boot", ""))
+        procs = [(int(p), float(t)) for p, t in data["started"]]
+        boot = str(data["boot"])
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
     if boot != boot_id():
@@ -299,7 +310,7 @@ class RunRecord:
             if start is not None:
                 procs.append((pid, start))
         self.procs = procs
-        record = {"kernel": self.kernel, "boot": self.boot, "procs": procs}
+        record = {"kernel": self.kernel, "boot": self.boot, "started": procs}
         write_atomic(self.path, json.dumps(record))
 
     @property

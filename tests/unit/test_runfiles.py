@@ -60,7 +60,7 @@ def _record(path, kernel, procs, mode=0o600, boot=None):
             {
                 "kernel": list(kernel),
                 "boot": _boot() if boot is None else boot,
-                "procs": [list(p) for p in procs],
+                "started": [list(p) for p in procs],
             }
         )
     )
@@ -281,7 +281,7 @@ def test_run_record_is_private_and_atomic(tmp_path, sleepers):
     assert json.loads(record.path.read_text()) == {
         "kernel": [os.getpid(), _ct(os.getpid())],
         "boot": _boot(),
-        "procs": [[proc.pid, _ct(proc.pid)]],
+        "started": [[proc.pid, _ct(proc.pid)]],
     }
     assert [p.name for p in tmp_path.iterdir()] == [record.path.name]  # no temporary left
     assert record.path.name.startswith(f"nbdist-{os.getpid()}-")
@@ -396,3 +396,23 @@ def test_a_recorded_pid_keeps_its_identity_across_writes(tmp_path, sleepers):
     record.write([a.pid])
     assert record.procs == []
     record.remove()
+
+
+def test_a_record_an_older_nbdist_wrote_is_left_to_it(tmp_path, sleepers):
+    """Wall-clock create times under "procs": nothing here can compare with them, so the record
+    (perhaps of a kernel still running that version) is neither acted on nor removed."""
+    victim = sleepers()
+    old = tmp_path / "nbdist-1-abc.pids"
+    old.write_text(
+        json.dumps(
+            {
+                "kernel": [_dead_pid(), 1.0],
+                "procs": [[victim.pid, psutil.Process(victim.pid).create_time()]],
+            }
+        )
+    )
+    old.chmod(0o600)
+    assert clean_stale(tmp_path) == 0
+    time.sleep(0.2)
+    assert victim.poll() is None
+    assert [p.name for p in tmp_path.iterdir()] == [old.name]
