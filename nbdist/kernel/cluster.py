@@ -125,7 +125,13 @@ class LocalCluster(RankedEngines):
             daemon=True,
         )
         atexit.register(self.stop)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # no thread (can't start new thread): nothing runs, nothing waits
+            self._notify = self._shown_notify or self._notify
+            self._thread, self._cancel, self._done, self._shown_notify = None, None, None, None
+            atexit.unregister(self.stop)
+            raise
 
     def _start_held(self, n: int | None, cancel: threading.Event, done: threading.Event) -> None:
         try:
