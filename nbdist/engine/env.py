@@ -82,8 +82,9 @@ def interrupts_kept() -> Iterator[None]:
     try:
         yield
     finally:
+        redeliver.ended = True  # first: no delivery after this line, whatever comes next
         sys.unraisablehook = previous
-        if redeliver.end():
+        if redeliver.waiting():
             raise KeyboardInterrupt
 
 
@@ -95,7 +96,7 @@ class _Redelivery:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting = 0  # deliveries on their way
-        self._ended = False
+        self.ended = False  # set by the block's end: no delivery after it
 
     def soon(self) -> None:
         with self._lock:
@@ -109,11 +110,10 @@ class _Redelivery:
         time.sleep(self.DELAY_S)
         with self._lock:
             self._waiting -= 1
-            if not self._ended:
+            if not self.ended:
                 _thread.interrupt_main()  # raised at the next line the main thread runs
 
-    def end(self) -> bool:
-        """No delivery after this; whether one was still on its way."""
-        self._ended = True  # first: an interrupt raised while waiting for the lock still ends
+    def waiting(self) -> bool:
+        """Whether a delivery was still on its way when the block ended (``ended`` set)."""
         with self._lock:
             return self._waiting > 0

@@ -41,7 +41,7 @@ try:
             time.sleep(0.01)
     print("ran on")
 except KeyboardInterrupt:
-    print("stopped after", round(time.monotonic() - start, 1), "s")
+    print("stopped after", time.monotonic() - start)
 """
 
 
@@ -53,7 +53,9 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_an_interrupt_a_finalizer_took_still_stops_the_block():
     kept = _run(KEPT.format(context="interrupts_kept()"))
-    assert kept.stdout == "stopped after 0.3 s\n"
+    word, after, seconds = kept.stdout.split()
+    assert (word, after) == ("stopped", "after")
+    assert 0.3 <= float(seconds) < 1.0  # the interrupt at 0.3 s, the finalizer would take 1 s
     assert kept.stderr == ""  # not printed as "Exception ignored in ..." either
     plain = _run(KEPT.format(context="__import__('contextlib').nullcontext()"))
     assert plain.stdout == "ran on\n"  # what Python does: the interrupt is lost
