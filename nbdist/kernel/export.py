@@ -119,17 +119,22 @@ _TORCH_TEARDOWN = """\
 # optimizers), then the group. Destroyed under a live DDP model, gloo can deadlock
 # (pytorch#56297); never destroyed, a process can abort as it exits ("terminate called
 # without an active exception").
-import gc
+import gc as _gc
+
+import torch as _torch
+import torch.distributed as _dist
+from torch.nn.parallel import DistributedDataParallel as _DDP
 
 for _name in [
     name
     for name, value in globals().items()
-    if isinstance(value, (nn.parallel.DistributedDataParallel, torch.optim.Optimizer))
+    if isinstance(value, (_DDP, _torch.optim.Optimizer))
 ]:
     del globals()[_name]
-gc.collect()
-if not any(isinstance(o, nn.parallel.DistributedDataParallel) for o in gc.get_objects()):
-    dist.destroy_process_group()  # else a DDP model is still held somewhere: let exit free it
+_gc.collect()
+# type(), not isinstance(): a dead weakref.proxy among the objects raises on isinstance.
+if _dist.is_initialized() and not any(issubclass(type(o), _DDP) for o in _gc.get_objects()):
+    _dist.destroy_process_group()  # else a DDP model is still held: exit frees it
 """
 
 _TORCH_OWN_INIT = """

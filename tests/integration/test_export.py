@@ -72,7 +72,7 @@ def test_three_cell_session_exported_trains_to_the_same_parameters(shell, magics
     # The script leaves the group once the cells are done, the DDP model dropped first.
     after = "\n# --- after the cells "
     assert text.count(after) == 1 and text.rstrip().endswith(
-        "dist.destroy_process_group()  # else a DDP model is still held somewhere: let exit free it"
+        "_dist.destroy_process_group()  # else a DDP model is still held: exit frees it"
     )
     checksum = f"\nif is_main:\n    print('checksum', repr({CHECKSUM}))\n"
     script.write_text(text.replace(after, checksum + after))
