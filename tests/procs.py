@@ -9,14 +9,15 @@ from contextlib import contextmanager
 import psutil
 
 
-def _children() -> dict[int, psutil.Process]:
-    """This process's descendants, from one pass over the process table by parent PID (no
-    create-time filter: psutil's compares wall-clock times, which move when the clock is set)."""
+def _children(root: int | None = None) -> dict[int, psutil.Process]:
+    """The descendants of ``root`` (this process), from one pass over the process table by
+    parent PID (no create-time filter: psutil's compares wall-clock times, which move when the
+    clock is set)."""
     procs, kids = {}, {}
     for p in psutil.process_iter(["ppid"]):
         procs[p.pid] = p
         kids.setdefault(p.info["ppid"], []).append(p.pid)
-    out, stack = {}, [os.getpid()]
+    out, stack = {}, [os.getpid() if root is None else root]
     while stack:
         for pid in kids.get(stack.pop(), []):
             if pid not in out:
@@ -26,10 +27,12 @@ def _children() -> dict[int, psutil.Process]:
 
 
 @contextmanager
-def no_process_left() -> Iterator[None]:
-    """Every process started inside the block is gone at its end."""
+def no_process_left(*, spare: int | None = None) -> Iterator[None]:
+    """Every process started inside the block is gone at its end; ``spare``: a process started
+    before it (a fixture's), whose children, forked meanwhile, are its own."""
     before = set(_children())
     yield
-    new = [p for pid, p in _children().items() if pid not in before]
+    theirs = set(_children(spare)) if spare is not None else set()
+    new = [p for pid, p in _children().items() if pid not in before and pid not in theirs]
     _, alive = psutil.wait_procs(new, timeout=10)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
