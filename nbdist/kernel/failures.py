@@ -12,8 +12,9 @@ session that still works, or a clean one, with the user told which:
   variables and its part of the group (the variables first: destroying a gloo group under a
   live DDP model can deadlock); the next cell makes a new rendezvous. The error ends with the
   names of the variables dropped.
-* **replaced** — a rank was killed or died: the engines were replaced, and their variables
-  went with them.
+* **replaced** — a rank was killed or died, or SIGINT interrupted a framework that cannot go
+  on after it (TensorFlow: ``SURVIVES_INTERRUPT``): the engines were replaced, and their
+  variables went with them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str
     "replaced", names of the variables dropped)``."""
     watch = outcome.watch
     if outcome.replaced:
+        return "replaced", []
+    interrupted = watch.interrupted or any(
+        f.exc_type == "KeyboardInterrupt" for f in outcome.failures
+    )
+    if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
+        why = "an interrupt stopped TensorFlow, which cannot go on after one"
+        cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
         return "replaced", []
     if watch.reason is None and not outcome.failures:
         return "ok", []
@@ -220,6 +228,12 @@ def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outc
         tail = (
             f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} could not be "
             "freed and had to be killed."
+        )
+    elif freed and stalled.get("framework") == "tf" and outcome.watch.interrupted:
+        tail = (
+            f"nbdist interrupted rank{'s' if len(freed) > 1 else ''} "
+            f"{', '.join(map(str, freed))}; TensorFlow cannot go on after an interrupt, so the "
+            "engines were replaced."
         )
     elif freed and stalled.get("framework") == "tf":
         # TensorFlow's collectives notice a peer that left only at their timeout.

@@ -10,6 +10,9 @@ A backend module provides:
     whether a rank that is done can free peers blocked in a collective with it, by dropping
     its part of the group (``recover``) while they wait; if not, it is left alone until no
     rank waits any more.
+``SURVIVES_INTERRUPT``
+    whether an engine can run further cells after SIGINT interrupted one of its cells (if not,
+    the engines are replaced).
 ``OUTPUT_NOISE`` (optional)
     a regular expression for lines of the framework's own logging that the cell's output
     leaves out (they stay in the result's ``stderr``).

@@ -39,6 +39,11 @@ KEEPS_RENDEZVOUS_AFTER_FAILURE = True
 # "collective_ops" thread of the waiting worker, or in the finished worker itself (3 of 8 full
 # test runs here, kernel log, 2026-12-03). Its session is dropped once no rank waits any more.
 RELEASE_FREES_PEERS = False
+# A KeyboardInterrupt lands anywhere in TensorFlow's Python code (a __del__ releasing a function,
+# a collective being set up), and its runtime is not safe after that: later cells on the same
+# engines segfaulted (in the main thread and in "collective_ops", about every other full test
+# run here). Engines that got SIGINT during a TF cell are replaced.
+SURVIVES_INTERRUPT = False
 # TensorFlow's C++ runtime logs through absl, which ignores TF_CPP_MIN_LOG_LEVEL for what it
 # writes before absl::InitializeLog: "I0000 00:00:1796295494.300853    9290 coordination_
 # service.cc:221] Initializing CoordinationService" and a dozen more per new strategy, captured

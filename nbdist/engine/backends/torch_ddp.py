@@ -38,6 +38,7 @@ from nbdist.engine.state import EngineState
 NAME = "torch"
 KEEPS_RENDEZVOUS_AFTER_FAILURE = False
 RELEASE_FREES_PEERS = True  # a rank that destroys its group frees its blocked peers in ~1 s
+SURVIVES_INTERRUPT = True  # an interrupted rank drops its group and works on
 COLLECTIVE_TIMEOUT_S = 60
 
 log = logging.getLogger(__name__)
