@@ -422,14 +422,17 @@ class LocalCluster(RankedEngines):
         self, n: int | None = None, *, notice: str | None = None, why: str | None = None
     ) -> None:
         """Stop every engine and start ``n`` fresh ones under the same controller. ``notice`` is
-        the line to show first; a connected cluster is not ours to restart and says so instead,
-        with ``why`` the engines need it."""
+        the line to show first ("nbdist: replacing the engines (``why``)" when only ``why`` the
+        engines need it is given); a connected cluster is not ours to restart and says so
+        instead, with ``why``."""
         if not self.owned:
             # Not ours to restart: say so now, and refuse further runs until reconnected (the
             # caller is reporting the failure that made the restart necessary).
             self.stale = self._not_ours(why)
             self._notify(f"nbdist: {self.stale}")
             return
+        if notice is None and why:
+            notice = f"nbdist: replacing the engines ({why})"
         if notice:
             self._notify(notice)
         n = n or self.size

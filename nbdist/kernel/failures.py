@@ -52,7 +52,7 @@ def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str
     )
     if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
         why = "an interrupt stopped TensorFlow, which cannot go on after one"
-        cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
+        cluster.replace_engines(why=why)
         return "replaced", []
     if watch.reason is None and not outcome.failures:
         return "ok", []
@@ -106,7 +106,7 @@ def drop(
             stuck.append(r)
     if stuck:
         why = f"rank {stuck[0]} could not leave its process group cleanly"
-        cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
+        cluster.replace_engines(why=why)
     return sorted(names)
 
 

@@ -161,7 +161,7 @@ class Job:
             }
             names = ", ".join(str(self.ranks[p]) for p in lost)
             why = f"{'rank' if len(lost) == 1 else 'ranks'} {names} had to be killed or died"
-            self.cluster.replace_engines(notice=f"nbdist: replacing the engines ({why})", why=why)
+            self.cluster.replace_engines(why=why)
             outcome.replaced = True
         else:
             self._confirm_released(outcome)
