@@ -44,7 +44,7 @@ def stream_rate(cluster, n: int) -> float:
 
 
 def measure(ip, magics, *, curve: bool, cells: int, messages: int) -> dict[str, float]:
-    magics.cluster.curve = curve
+    magics.cluster.encrypt = curve
     ip.run_line_magic("distrain", "start -n 2")
     flags = "--framework torch --no-plot --no-check"
     ip.run_cell_magic("distrain", flags, "x = rank\n")  # warm-up: imports, the group

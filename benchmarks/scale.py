@@ -36,11 +36,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from nbdist.engine.metrics import FLUSH_S, KEY_PREFIX, flush_interval  # noqa: E402
+from nbdist.engine.metrics import FLUSH_S, flush_interval  # noqa: E402
 from nbdist.kernel.display import LiveView  # noqa: E402
 from nbdist.kernel.job import POLL_S, PUMP_EVERY_S  # noqa: E402
 from nbdist.kernel.metrics import MetricsStream, Rounds  # noqa: E402
 from nbdist.kernel.relay import OutputRelay  # noqa: E402
+from nbdist.protocol import KEY_PREFIX  # noqa: E402
 
 OUT = Path(__file__).parents[1] / "build" / "bench"
 POINTS_PER_S = 10
@@ -309,7 +310,7 @@ def startup(n: int) -> dict[str, Any]:
 
     import ipyparallel as ipp
 
-    from nbdist.kernel.cluster import HEARTBEAT_MS
+    from nbdist.kernel.local import HEARTBEAT_MS
 
     t = time.perf_counter()
     cluster = ipp.Cluster(

@@ -32,10 +32,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "build" / "bench"
 SHORT_TRAINING = (
-    "t = torch.ones(1)\n"
-    "for i in range(200):\n"
-    "    dist.all_reduce(t)\n"
-    "    log(loss=1.0 / (i + 1))\n"
+    "t = torch.ones(1)\nfor i in range(200):\n    dist.all_reduce(t)\n    log(loss=1.0 / (i + 1))\n"
 )
 SUITES = {
     "session": {

@@ -11,6 +11,7 @@ from nbdist.engine.metrics import log
 from nbdist.errors import (
     ClusterError,
     DistrainError,
+    ExportError,
     JobInterrupted,
     JobStalled,
     JobTimeout,
@@ -32,6 +33,7 @@ __all__ = [
     "ClusterError",
     "DistrainError",
     "DistrainResult",
+    "ExportError",
     "Finding",
     "JobInterrupted",
     "JobStalled",
@@ -55,6 +57,15 @@ __all__ = [
 def load_ipython_extension(ipython: _Any) -> None:
     """``%load_ext nbdist``: register ``%%distrain`` / ``%distrain`` in this kernel, and (in a
     Jupyter kernel) begin starting the workers in the background; it returns at once."""
+    import sys
+
+    if sys.platform == "win32":
+        from IPython.core.error import UsageError
+
+        raise UsageError(
+            "nbdist needs Linux or macOS (it runs its workers as POSIX processes); on Windows, "
+            "run Jupyter inside WSL2, where nbdist works as on Linux."
+        )
     from nbdist.kernel.magic import DistrainMagics
 
     magics = DistrainMagics(ipython)

@@ -22,7 +22,10 @@ frames of nbdist say nothing useful to the person who wrote the cell; the remote
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+from nbdist.protocol import RankFailure
+from nbdist.ranks import MANY_RANKS, spans
 
 __all__ = [
     "ClusterError",
@@ -40,30 +43,6 @@ __all__ = [
 
 class NbdistWarning(UserWarning):
     """A warning emitted by nbdist."""
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """What one rank reported when its cell raised.
-
-    ``collateral`` is True when the rank failed only because a peer failed first (its collective
-    lost the peer, or nbdist interrupted it): such ranks are listed, not shown in full.
-    """
-
-    rank: int
-    host: str
-    exc_type: str
-    message: str
-    traceback: str
-    line: int | None = None
-    line_text: str = ""
-    time: float = 0.0
-    collateral: bool = False
-
-    @property
-    def headline(self) -> str:
-        text = f"{self.exc_type}: {self.message}" if self.message else self.exc_type
-        return text
 
 
 class DistrainError(Exception):
@@ -84,6 +63,11 @@ class DistrainError(Exception):
 
 class ClusterError(DistrainError):
     """The ipyparallel cluster could not be started, reached or resized."""
+
+
+class ExportError(DistrainError):
+    """``%distrain export`` cannot write the session as one script (the message says why and
+    what to do)."""
 
 
 class JobTimeout(DistrainError):
@@ -135,32 +119,18 @@ def classify(failures: list[RankFailure]) -> list[RankFailure]:
     first = ordered[0]
     out = []
     for f in failures:
-        collateral = f is not first and (f.exc_type == "KeyboardInterrupt" or lost_peer(f))
+        collateral = f is not first and (f.interrupted or lost_peer(f))
         out.append(replace(f, collateral=collateral))
     return out
 
 
-MANY_RANKS = 16  # beyond this many, ranks are written as spans (0-255, 300) and
-SHOWN_GROUPS = 3  # ...at most this many different failures are shown in full
+SHOWN_GROUPS = 3  # beyond MANY_RANKS ranks, at most this many different failures in full
 
 
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) > MANY_RANKS:
-        return f"{len(ranks)} ranks " + _spans(sorted(ranks))
+        return f"{len(ranks)} ranks " + spans(sorted(ranks))
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def _spans(ranks: list[int]) -> str:
-    """``0-3, 7`` for ranks 0, 1, 2, 3, 7 (sorted)."""
-    out: list[str] = []
-    start = prev = ranks[0]
-    for r in ranks[1:]:
-        if r != prev + 1:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = r
-        prev = r
-    out.append(str(start) if start == prev else f"{start}-{prev}")
-    return ", ".join(out)
 
 
 class WorkerError(DistrainError):
@@ -177,6 +147,7 @@ class WorkerError(DistrainError):
     def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
         self.failures = sorted(classify(failures), key=lambda f: f.rank)
         self.stopped = sorted(stopped or [])
+        self.notes: list[str] = []  # what the session adds about the failure's likely cause
         super().__init__(self._message())
 
     @property
@@ -226,5 +197,14 @@ class WorkerError(DistrainError):
         others = sorted(set(collateral) | set(self.stopped))
         if others:
             lines.append(f"{_ranks_text(others)} stopped because a peer failed.")
+        if any(f.exc_type == "SystemExit" for f in self.failures if not f.collateral):
+            lines.append(EXIT_NOTE)
+        lines.extend(self.notes)
         lines.append(self.state or "Fix the cell and run it again.")
         return lines
+
+
+EXIT_NOTE = (
+    "exit(), quit() and sys.exit() end a %%distrain cell on the ranks that call them, not the "
+    "workers: those keep running, with their variables. To stop the workers: %distrain stop."
+)

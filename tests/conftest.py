@@ -5,10 +5,28 @@ import os
 import psutil
 import pytest
 
-# The suite's kernels (nbval's, the browser test's) and shells start their workers when a test
-# asks, as before prestart existed: tests that measure or expect a start keep seeing it where
-# they ask for it. tests/integration/test_prestart.py turns it on where it is the subject.
-os.environ["NBDIST_PRESTART"] = "0"
+PRESTART_ENV = "NBDIST_PRESTART"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's kernels (nbval's, the browser test's) and shells start their workers when a
+    test asks, as before prestart existed: tests that measure or expect a start keep seeing it
+    where they ask for it. tests/integration/test_prestart.py turns it on where it is the
+    subject. Set for the run (before nbval starts a kernel), put back after it; importing this
+    file changes nothing."""
+    config.stash[_SAVED] = os.environ.get(PRESTART_ENV)
+    os.environ[PRESTART_ENV] = "0"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    saved = config.stash.get(_SAVED, None)
+    if saved is None:
+        os.environ.pop(PRESTART_ENV, None)
+    else:
+        os.environ[PRESTART_ENV] = saved
+
+
+_SAVED = pytest.StashKey[str | None]()
 
 
 def _ipyparallel_children() -> list[psutil.Process]:

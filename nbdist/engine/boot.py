@@ -1,4 +1,5 @@
-"""Engine entry point: ``python -m nbdist.engine.boot`` instead of ``python -m ipyparallel.engine``.
+"""Engine entry point, instead of ``python -m ipyparallel.engine`` (see
+``nbdist.kernel.local.engine_command``).
 
 When the cluster is started for a cell whose framework is known, ``NBDIST_PRELOAD`` names it and
 the engine imports it *before* it starts and registers: torch takes ~2.5 s to import and
@@ -19,6 +20,9 @@ import sys
 
 
 def main() -> None:
+    # The notebook's folder, after everything else (see nbdist.kernel.local.engine_command;
+    # the engine's IPython puts it first again, and worker.engine_info back last).
+    sys.path.append(os.getcwd())
     from nbdist.engine import netns
 
     try:
@@ -26,6 +30,9 @@ def main() -> None:
     except OSError as e:
         print(f"nbdist: engine could not join the cluster's private network: {e}", file=sys.stderr)
         sys.exit(1)
+    from nbdist.engine import stopping
+
+    stopping.install()  # a graceful stop's signal must never end the engine
     framework = os.environ.pop("NBDIST_PRELOAD", "")
     if framework:
         try:

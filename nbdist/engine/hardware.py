@@ -8,6 +8,8 @@ import shutil
 import socket
 import subprocess
 
+from nbdist.protocol import EngineReport
+
 
 def visible_gpus() -> list[str]:
     """CUDA device ids this process may use, as strings (``[]`` on a CPU-only machine).
@@ -199,16 +201,29 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def process_info(address: str | None) -> dict[str, object]:
+def process_info(address: str | None) -> EngineReport:
     """Identity and hardware of this process, and ``address``, the one other hosts reach it at
     (None when not known)."""
+    return EngineReport(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        gpus=visible_gpus(),
+        cpus=usable_cpus(),
+        address=address,
+        addresses=host_addresses(),
+        interfaces=interfaces(),
+    )
+
+
+def interfaces() -> dict[str, str]:
+    """This host's IPv4 addresses and the interface each is on (what GLOO_SOCKET_IFNAME names)."""
+    import psutil
+
     return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "gpus": visible_gpus(),
-        "cpus": usable_cpus(),
-        "address": address,
-        "addresses": host_addresses(),
+        a.address: name
+        for name, addrs in psutil.net_if_addrs().items()
+        for a in addrs
+        if a.family == socket.AF_INET
     }
 
 

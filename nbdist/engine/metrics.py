@@ -11,16 +11,17 @@ more when the run ends.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from nbdist.engine import ticker
+from nbdist.engine import stopping, ticker
 from nbdist.engine.state import engine_state
+from nbdist.protocol import KEY_PREFIX, META_KEY, MetricPoint, RunMeta
 
-KEY_PREFIX = "nbdist-"
-META_KEY = "nbdist~meta"  # latest-value semantics are right for it: totals, batch sizes
 FLUSH_S = 0.1
 MAX_BATCH = 1000
 # All ranks together send at most about this many messages a second: the notebook reads each
@@ -33,9 +34,6 @@ def flush_interval(world: int) -> float:
     """Seconds between one rank's metric messages in a run on ``world`` ranks: ``FLUSH_S`` up
     to 100 ranks, then longer, so that all of them send ``MAX_MESSAGES_PER_S`` together."""
     return max(FLUSH_S, world / MAX_MESSAGES_PER_S)
-
-
-Point = tuple[int, float, dict[str, Any]]  # (step, unix time, {metric: value})
 
 
 def _scalar(value: Any) -> Any:
@@ -64,11 +62,16 @@ class Recorder:
         self.autolog = autolog
         self.total_steps = total_steps
         self.messages = 0
+        # What the safety net for independent copies reads (see nbdist.kernel.session): the
+        # training steps autolog saw (backward()s, Keras batches), and the collectives that ran
+        # on this rank during the cell (None: the backend cannot count them).
+        self.steps = 0
+        self.collectives: int | None = None
         self._step = 0
         self._explicit: set[str] = set()
         self._pending: dict[str, Any] = {}
-        self._meta: dict[str, Any] = {}
-        self._buffer: list[Point] = []
+        self._meta = RunMeta()
+        self._buffer: list[MetricPoint] = []
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
         self._tick: ticker.Tick | None = None
@@ -91,8 +94,17 @@ class Recorder:
 
     def log(self, step: int | None = None, **metrics: Any) -> None:
         """Record ``metrics`` (e.g. ``loss=..., samples=...``) for this rank at ``step``."""
+        taken = sorted(OWN_FIELDS.keys() & metrics.keys())
+        if taken:
+            name = taken[0]
+            what, instead = OWN_FIELDS[name]
+            raise ValueError(
+                f"log({name}=...): every point has its own '{name}' ({what}), which this would "
+                f"overwrite. Log it under another name: log({instead}=...)"
+            )
         self._explicit.update(metrics)
         self._record(step, metrics)
+        stopping.boundary("log")
 
     __call__ = log  # the cell's ``log(...)`` is the recorder itself
 
@@ -102,8 +114,27 @@ class Recorder:
 
     def meta(self, **info: Any) -> None:
         """Facts about the run (total steps, batch sizes); the notebook keeps the latest."""
-        self._meta.update(info)
-        self._publish({META_KEY: dict(self._meta)})
+        self._meta = replace(self._meta, **info)
+        self._publish({META_KEY: self._meta})
+
+    def model(self, model: Any) -> None:
+        """The model this run trains (autolog's): the notebook continues an earlier cell's loss
+        curve only for the same one. Said once per model, not per step.
+
+        A model is known by a number this engine gives each model object it sees (``id()``
+        would do only while the object lives: a new model often gets the old one's address).
+        """
+        state = engine_state()
+        try:
+            number = state.models.get(model)
+            if number is None:
+                state.models_seen += 1
+                number = state.models[model] = state.models_seen
+        except TypeError:  # cannot be weakly referenced: known by its address
+            number = f"id{id(model):x}"
+        key = f"{type(model).__module__.split('.')[0]}:{os.getpid()}:{number}"
+        if self._meta.model != key:
+            self.meta(model=key)
 
     def auto(self, **metrics: Any) -> None:
         """Record automatically captured metrics, except those the cell logs itself."""
@@ -126,7 +157,7 @@ class Recorder:
             metrics = {**self._pending, **metrics}
             self._pending = {}
         with self._lock:
-            self._buffer.append((step, time.time(), metrics))
+            self._buffer.append(MetricPoint(step, time.time(), metrics))
             due = (
                 len(self._buffer) >= MAX_BATCH
                 or time.monotonic() - self._last_flush >= self.flush_s
@@ -142,9 +173,16 @@ class Recorder:
                 return
             batch, self._buffer = self._buffer, []
             # Tensors become floats here, ~10 times a second, not at every step (a GPU sync each).
-            points = [(s, t, {k: _scalar(v) for k, v in m.items()}) for s, t, m in batch]
+            points = [MetricPoint(s, t, {k: _scalar(v) for k, v in m.items()}) for s, t, m in batch]
             self._publish({f"{KEY_PREFIX}{self.messages:08d}": points})
             self.messages += 1
+
+
+# What each point carries besides its metrics (the notebook's stream adds "rank").
+OWN_FIELDS = {
+    "rank": ("the rank that logged it", "worker_rank"),
+    "time": ("when it was logged, which samples/s is computed from", "time_s"),
+}
 
 
 def log(step: int | None = None, **metrics: Any) -> None:

@@ -13,7 +13,7 @@ instead of 0.15 s through the package, which imports IPython):
 from __future__ import annotations
 
 import ctypes
-import fcntl
+import errno
 import os
 import signal
 import socket
@@ -26,7 +26,7 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
-HOLDER_ENV = "NBDIST_NETNS_PID"  # the holder's PID; its /proc entry names the namespaces
+HOLDER_ENV = "NBDIST_NETNS_PID"  # the holder's PID:START; its /proc entry names the namespaces
 USER_NS_ENV = "NBDIST_NETNS_USER"  # "1": the namespace belongs to a user namespace to join first
 
 
@@ -57,6 +57,8 @@ def unshare(*, user: bool) -> None:
 
 def loopback_up() -> None:
     """Bring ``lo`` up: a new network namespace starts with it down."""
+    import fcntl  # not at the top: nbdist's kernel side imports this module on every platform
+
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         req = struct.pack("16sH22x", b"lo", 0)
         flags = struct.unpack("16sH22x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
@@ -75,25 +77,56 @@ def ipv4_only() -> None:
             pass
 
 
-def join(holder_pid: int, *, user: bool) -> None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter and start, in clock ticks since boot, from
+    ``/proc/PID/stat`` (fields 3 and 22, read past the command name's closing parenthesis: a
+    name may hold spaces and parentheses); None when there is no such process (or the line is
+    not the format proc(5) documents). With its PID, the start names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+        fields = text[text.rindex(b")") + 2 :].split()
+        return fields[0].decode(), int(fields[19])
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def join(holder_pid: int, started: int | None, *, user: bool) -> None:
     """Move this process into the holder's network namespace (its user namespace first, when it
-    has one). Call it before any thread starts: ``setns`` moves only the calling thread."""
+    has one). Call it before any thread starts: ``setns`` moves only the calling thread.
+
+    The holder is process ``holder_pid`` only if it ``started`` when it did: a holder that died
+    and whose PID another process took is not joined. Its namespaces are opened first, then its
+    start is checked: the files opened are that process's whatever happens after.
+    """
     libc = _libc()
     kinds = [("user", CLONE_NEWUSER)] if user else []
-    for kind, flag in [*kinds, ("net", CLONE_NEWNET)]:
-        fd = os.open(f"/proc/{holder_pid}/ns/{kind}", os.O_RDONLY)
-        try:
+    fds = []
+    try:
+        for kind, flag in [*kinds, ("net", CLONE_NEWNET)]:
+            fds.append((kind, flag, os.open(f"/proc/{holder_pid}/ns/{kind}", os.O_RDONLY)))
+        stat_ = proc_stat(holder_pid)
+        if started is not None and (stat_ is None or stat_[1] != started):
+            raise OSError(
+                errno.ESRCH,
+                f"the cluster's namespace holder (process {holder_pid}) is gone; its PID now "
+                "names another process",
+            )
+        for kind, flag, fd in fds:
             _check(libc.setns(fd, flag), f"setns({kind} namespace of process {holder_pid})")
-        finally:
+    finally:
+        for _, _, fd in fds:
             os.close(fd)
 
 
 def join_from_env() -> None:
-    """:func:`join` the namespace named by ``$NBDIST_NETNS_PID``, if set (and unset it)."""
+    """:func:`join` the namespace named by ``$NBDIST_NETNS_PID`` (``PID:START``), if set (and
+    unset it)."""
     holder = os.environ.pop(HOLDER_ENV, "")
     user = os.environ.pop(USER_NS_ENV, "") == "1"
     if holder:
-        join(int(holder), user=user)
+        pid, _, started = holder.partition(":")
+        join(int(pid), int(started) if started.isdigit() else None, user=user)
 
 
 def hold(mode: str) -> None:
@@ -103,8 +136,11 @@ def hold(mode: str) -> None:
         unshare(user=mode == "user")
         loopback_up()
         ipv4_only()
-    except OSError as e:
-        print(e.strerror or e, flush=True)
+    except OSError as e:  # "<errno> <what>": the notebook words the cause from the errno
+        print(e.errno or 0, e.strerror or e, flush=True)
+        sys.exit(1)
+    except AttributeError:  # no unshare() in this C library: not Linux
+        print(0, "no unshare() in this C library", flush=True)
         sys.exit(1)
     print("ready", flush=True)
     sys.stdin.read()

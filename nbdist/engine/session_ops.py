@@ -7,18 +7,19 @@ at a time, so never while a cell does).
 from __future__ import annotations
 
 import os
-import pickle
 import sys
+from dataclasses import replace
 from typing import Any
 
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
+from nbdist.protocol import MemoryReport, pickling_error
 
 
-def reset() -> dict[str, Any]:
+def reset() -> MemoryReport:
     """Drop every variable the cells defined and give the memory back; the group stays."""
     dropped = clear(session_namespace())
     free_memory()
-    return {"dropped": dropped, **memory()}
+    return replace(memory(), dropped=dropped)
 
 
 def pull(names: list[str], namespace: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -30,9 +31,8 @@ def pull(names: list[str], namespace: dict[str, Any] | None = None) -> dict[str,
         if name not in namespace:
             raise NameError(f"no variable {name!r} on this worker")
         value = namespace[name]
-        try:
-            pickle.dumps(value)
-        except Exception as e:
+        e = pickling_error(value)
+        if e is not None:
             raise TypeError(
                 f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
                 f"({type(e).__name__}); pull a plain value instead, e.g. {name}.state_dict(), "
@@ -67,7 +67,7 @@ def flatten(name: str) -> dict[str, Any] | None:
     return leaves(namespace[name])
 
 
-def memory() -> dict[str, Any]:
+def memory() -> MemoryReport:
     """This engine's resident memory, the GPU memory its tensors hold (when torch has started
     CUDA), its GPUs (name, memory in use on each by every process) and how many variables the
     session namespace holds."""
@@ -81,9 +81,9 @@ def memory() -> dict[str, Any]:
     torch = sys.modules.get("torch")  # never imported for this
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         gpu = torch.cuda.memory_allocated()
-    return {
-        "rss": rss,
-        "gpu": gpu,
-        "gpus": gpu_info(visible_gpus()),
-        "variables": len(user_variables(session_namespace())),
-    }
+    return MemoryReport(
+        rss=rss,
+        gpu=gpu,
+        gpus=gpu_info(visible_gpus()),
+        variables=len(user_variables(session_namespace())),
+    )

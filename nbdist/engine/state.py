@@ -8,6 +8,7 @@ through :func:`engine_state`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +18,16 @@ class EngineState:
     """What this engine has set up: frameworks warmed up, its GPU, and per-backend slots."""
 
     warm: set[str] = field(default_factory=set)
-    gpu: str | None = None
+    cuda_index: int | None = None  # this engine's device is cuda:<cuda_index> (None: the CPU)
     address: str | None = None  # where other hosts reach this engine (None: not asked yet)
     slots: dict[str, dict[str, Any]] = field(default_factory=dict)
     recorder: Any = None  # the running cell's metrics Recorder, None between runs
     # The workers' variables when the engine has no IPython shell (see nbdist.engine.namespace).
     namespace: dict[str, Any] = field(default_factory=lambda: {"__name__": "__main__"})
-    figure_formats: bool = False  # matplotlib figures display as PNG from this engine
+    displays_set_up: bool = False  # figures as PNG, progress as text (nbdist.engine.display)
+    # Each model object autolog has seen, numbered (Recorder.model): id() is reused.
+    models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    models_seen: int = 0
 
     def slot(self, backend: str) -> dict[str, Any]:
         """The mutable dict a backend keeps its own state in."""

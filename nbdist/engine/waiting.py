@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.engine import ticker
+from nbdist.protocol import WHERE_KEY, Waiting
 
-WHERE_KEY = "nbdist~where"
 SAMPLE_S = 0.5
 
 # Functions that wait for every rank, by the file they live in: torch.distributed's collectives,
@@ -31,7 +31,7 @@ _C10D = "torch/distributed/distributed_c10d.py"
 _AUTOGRAD = "torch/autograd/"
 
 
-def place(frame: Any, filename: str) -> dict[str, Any] | None:
+def place(frame: Any, filename: str) -> Waiting | None:
     """The cell line the stack under ``frame`` is at, and the collective it waits in if any;
     None when the cell's code is not on the stack (set-up, clean-up)."""
     stack = traceback.extract_stack(frame)
@@ -46,7 +46,7 @@ def place(frame: Any, filename: str) -> dict[str, Any] | None:
         collective = f"torch.distributed.{c10d[-1].name}"
     elif any(_AUTOGRAD in f.filename.replace("\\", "/") for f in inner):
         collective = "DDP's gradient all-reduce in backward()"
-    return {"line": at.lineno, "line_text": (at.line or "").strip(), "collective": collective}
+    return Waiting(line=at.lineno, line_text=(at.line or "").strip(), collective=collective)
 
 
 class WhereReporter:
@@ -56,8 +56,8 @@ class WhereReporter:
         self._publish = publish
         self._filename = filename
         self._thread_id = threading.get_ident()  # the thread that runs the cell
-        self._seen: dict[str, Any] | None = None
-        self._published: dict[str, Any] | None = None
+        self._seen: Waiting | None = None
+        self._published: Waiting | None = None
         self._tick: ticker.Tick | None = None
 
     def start(self) -> None:

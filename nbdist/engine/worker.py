@@ -18,30 +18,37 @@ from __future__ import annotations
 import ast
 import linecache
 import os
-import pickle
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import backends
+from nbdist.engine import backends, display, stopping
 from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
-from nbdist.engine.spec import RankReport, RankSpec
 from nbdist.engine.state import engine_state
 from nbdist.engine.waiting import WhereReporter
-from nbdist.errors import RankFailure
+from nbdist.protocol import (
+    STOPPING_KEY,
+    EngineReport,
+    Prepared,
+    RankFailure,
+    RankReport,
+    RankSpec,
+)
 
 __all__ = [
     "check_group",
     "join_group",
     "drop_session",
     "engine_info",
-    "pin_gpu",
+    "use_gpus",
     "prepare",
     "run_rank",
     "run_source",
@@ -50,15 +57,15 @@ __all__ = [
 ]
 
 
-def pin_gpu(gpu: str | None) -> None:
-    """Make this engine see exactly one GPU (or none), before any framework touches CUDA."""
+def use_gpus(visible: str, index: int | None) -> None:
+    """Before any framework touches CUDA: the GPUs this engine sees (``CUDA_VISIBLE_DEVICES``;
+    "" hides them all), and the one it uses, ``cuda:<index>`` (None: the CPU)."""
     state = engine_state()
-    state.gpu = gpu
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    state.cuda_index = index
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
-def engine_info(peer: str | None = None) -> dict[str, object]:
+def engine_info(peer: str | None = None) -> EngineReport:
     """Identity and hardware of this engine; gathered once per engine.
 
     ``peer`` is the controller's address: with it, the engine also finds (and keeps) the address
@@ -67,7 +74,17 @@ def engine_info(peer: str | None = None) -> dict[str, object]:
     state = engine_state()
     if peer is not None:
         state.address = reachable_address(peer)
+    notebook_folder_last()
     return process_info(state.address)
+
+
+def notebook_folder_last() -> None:
+    """The engine's working folder (the notebook's) last on ``sys.path``, not first, where the
+    engine's IPython put it: a ``profile.py`` there would hide the standard library's from the
+    imports a cell's framework makes. The folder's own modules still import."""
+    folder = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", folder)]
+    sys.path.append(folder)
 
 
 def set_address(address: str) -> None:
@@ -85,7 +102,7 @@ def warm_up(framework: str, *, local_world_size: int, cpus: int) -> float:
     return time.perf_counter() - start
 
 
-def prepare(framework: str, *, rank: int, world_size: int, options: dict[str, Any]) -> dict:
+def prepare(framework: str, *, rank: int, world_size: int, options: dict[str, Any]) -> Prepared:
     """This engine's part of a new rendezvous for ``framework``."""
     return backends.load(framework).prepare(
         rank=rank, world_size=world_size, options=options, state=engine_state()
@@ -139,14 +156,6 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
     )
 
 
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
-
-
 def run_rank(spec: RankSpec) -> RankReport:
     """Run one rank of a cell; returns its report (never raises)."""
     state = engine_state()
@@ -173,19 +182,23 @@ def run_rank(spec: RankSpec) -> RankReport:
                 is_main=spec.rank == 0,
             )
             namespace.update(spec.push)
-            _figures_as_png(state)
-            with interrupts_kept():
+            display.set_up(state)
+            stopping.begin(_stopper(spec, state, backend, publish))
+            with interrupts_kept(), _exits_end_the_cell(namespace), display.cell_figures():
                 value = run_source(spec.source, spec.filename, namespace)
-            report.value = value if _picklable(value) else None
+            report.value = value if display.sendable(value) else None
             report.value_repr = None if value is None else _repr(value)
             del value
             try:  # the cell itself succeeded: a wrong --pull name must not fail the rank
                 report.pulled = _pull(namespace, spec.pull, spec.rank) if spec.pull else {}
             except _PullError as e:
                 report.pull_error = str(e)
+    except stopping.StopAtStep as stop:  # a graceful stop: the cell ends, the session stays
+        report.stopped_at = stop.step
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
         report.failure = _describe(exc, spec, host)
     finally:
+        stopping.end()
         with sigint_ignored():
             where.close()
             state.recorder = None
@@ -196,8 +209,22 @@ def run_rank(spec: RankSpec) -> RankReport:
             sys.stderr.flush()
     report.names = [] if spec.fresh else sorted(user_variables(namespace))
     report.messages = recorder.messages
+    report.steps, report.collectives = recorder.steps, recorder.collectives
+    report.libraries = training_libraries()
     report.wall = time.perf_counter() - start
     return report
+
+
+def _stopper(spec: RankSpec, state: Any, backend: Any, publish: Any) -> stopping.Stopper | None:
+    """This rank's part in a graceful stop of the run, where the backend has a board; the
+    step it agrees on is told to the notebook (the panel shows it)."""
+    board = backend.stop_board(spec, state)
+    if board is None:
+        return None
+    ranks = list(spec.ranks) or list(range(spec.world_size))
+    return stopping.Stopper(
+        board, spec.rank, ranks, announce=lambda step: publish({STOPPING_KEY: step})
+    )
 
 
 def join_group(spec: RankSpec) -> None:
@@ -227,26 +254,56 @@ def drop_session(framework: str) -> list[str]:
     return dropped
 
 
-def _figures_as_png(state: Any) -> None:
-    """``display(fig)`` of a matplotlib figure sends a PNG, as in a notebook (once per engine;
-    matplotlib is not imported for it)."""
-    if state.figure_formats or "IPython" not in sys.modules:
-        return
-    from IPython import get_ipython
+class _EndCell:
+    """``exit()`` and ``quit()`` inside a cell: end the cell on this rank, as ``sys.exit()``
+    does (``SystemExit``, reported like any error), and keep the worker.
 
-    shell = get_ipython()
-    if shell is None:
-        return
+    IPython's own ``exit`` in an engine asks the engine to shut down once the task is over:
+    the cell carried on to its end, reported success, and then every engine that ran it was
+    gone, with the session's variables. A script's "no GPU: exit()" means "stop here".
+    """
 
-    def png(fig: Any) -> bytes:
-        from IPython.core.pylabtools import print_figure
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-        return print_figure(fig, "png", bbox_inches="tight")
+    def __repr__(self) -> str:
+        return f"Use {self.name}() or sys.exit() to end this %%distrain cell on this rank"
 
-    shell.display_formatter.formatters["image/png"].for_type_by_name(
-        "matplotlib.figure", "Figure", png
-    )
-    state.figure_formats = True
+    def __call__(self, code: Any = None) -> None:
+        raise SystemExit() if code is None else SystemExit(code)
+
+
+@contextmanager
+def _exits_end_the_cell(namespace: dict[str, Any]) -> Iterator[None]:
+    """``exit`` and ``quit`` are :class:`_EndCell` while the cell runs (IPython's after it)."""
+    saved = {name: namespace.get(name, _MISSING) for name in ("exit", "quit")}
+    namespace.update({name: _EndCell(name) for name in saved})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                namespace.pop(name, None)
+            else:
+                namespace[name] = value
+
+
+_MISSING = object()
+
+
+# Libraries that run a training loop of their own, by the module that names their version.
+TRAINING_LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "keras")
+
+
+def training_libraries() -> dict[str, str]:
+    """The training libraries this engine has loaded, with their versions (never imported
+    here)."""
+    out = {}
+    for name in TRAINING_LIBRARIES:
+        module = sys.modules.get(name)
+        if module is not None:
+            out[name] = str(getattr(module, "__version__", "?"))
+    return out
 
 
 def _repr(value: Any) -> str:

@@ -18,10 +18,15 @@ RANKS_TUTORIAL = "notebooks/08_when_ranks_disagree.ipynb"
 
 @dataclass(frozen=True, kw_only=True)
 class CheckContext:
-    """What the checker knows about the job the cell will run as."""
+    """What the checker knows about the job the cell will run as.
+
+    ``earlier`` holds the sources of the session's earlier cells: a function defined there and
+    called from this cell is checked too (its findings point at the call).
+    """
 
     world_size: int = 2
     gpus: int = 0
+    earlier: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +199,7 @@ def bare_cuda(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     return out
 
 
-_RANK_WORDS = ("rank", "is_main", "get_rank", "main_process", "local_rank")
+_RANK_WORDS = ("rank", "is_main", "get_rank", "main_process", "local_rank", "gpu_id")
 
 
 def _mentions_rank(test: ast.AST) -> bool:
@@ -206,15 +211,44 @@ def _mentions_rank(test: ast.AST) -> bool:
     return False
 
 
-def _walk_unguarded(node: ast.AST, in_loop: bool = False) -> Iterator[tuple[ast.AST, bool]]:
-    """Nodes not under an ``if`` on the rank, with whether they sit inside a loop."""
+def _guarded(node: ast.AST) -> bool:
+    return isinstance(node, (ast.If, ast.IfExp)) and _mentions_rank(node.test)
+
+
+def _walk_unguarded(
+    node: ast.AST, in_loop: bool = False, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[ast.AST, bool]]:
+    """Nodes not under an ``if`` on the rank, with whether they sit inside a loop; the bodies
+    of the functions named in ``skip`` are left out too."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _mentions_rank(child.test):
+        if _guarded(child):
             continue
-        if isinstance(child, ast.IfExp) and _mentions_rank(child.test):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.name in skip:
             continue
         yield child, in_loop
-        yield from _walk_unguarded(child, in_loop or isinstance(child, (ast.For, ast.While)))
+        yield from _walk_unguarded(child, in_loop or isinstance(child, (ast.For, ast.While)), skip)
+
+
+def _called_under_guard_only(tree: ast.Module) -> frozenset[str]:
+    """Functions (and methods) of the cell that it calls only under an ``if`` on the rank: a
+    save in their body is guarded by their caller (``if self.gpu_id == 0: self._save(...)``)."""
+    guarded = {id(n) for g in ast.walk(tree) if _guarded(g) for n in ast.walk(g)}
+    out = set()
+    for fn in _functions(tree):
+        inside = {id(n) for n in ast.walk(fn)}  # its own calls (torch.save in a def save)
+        sites = [
+            id(n) in guarded
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and call_name(n) == fn.name and id(n) not in inside
+        ]
+        if sites and all(sites):
+            out.add(fn.name)
+    return frozenset(out)
+
+
+def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function and method defined in ``tree``."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 _METRIC_WORDS = ("loss", "acc", "metric", "score")
@@ -222,7 +256,7 @@ _METRIC_WORDS = ("loss", "acc", "metric", "score")
 
 def unguarded_side_effects(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
     out = []
-    for node, in_loop in _walk_unguarded(tree):
+    for node, in_loop in _walk_unguarded(tree, skip=_called_under_guard_only(tree)):
         if not isinstance(node, ast.Call):
             continue
         name = call_name(node)
@@ -406,8 +440,8 @@ def spawn_in_cell(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
                 rule="spawn-in-cell",
                 line=node.lineno,
                 message=f"{ast.unparse(func)}(...) starts worker processes from a %%distrain "
-                "cell: nbdist already runs one process per rank, and a function defined in a "
-                "cell cannot be pickled to new processes (PicklingError on every rank). Call "
+                "cell: nbdist already runs one process per rank, and processes started from "
+                "a worker cannot join its group (nbdist stops the cell with an error). Call "
                 f"{fn}(rank, world_size) directly (see {RANKS_TUTORIAL}, 'One process per rank').",
             )
         )
@@ -451,6 +485,73 @@ def rank_as_gpu_index(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
                 "there is no GPU at all. nbdist already pins each worker to its GPU: use "
                 "model.to(device), and DDP(model) without device_ids "
                 f"(see {RANKS_TUTORIAL}, 'One process per rank').",
+            )
+        )
+    return out
+
+
+_GPU_INDEX_WORDS = ("gpu", "rank", "device_id", "device_index")
+
+
+def _looks_like_gpu_index(node: ast.AST | None) -> bool:
+    """An expression that reads as a GPU index: ``3``, ``local_rank``, ``self.gpu_id``,
+    ``int(os.environ["LOCAL_RANK"])``, ``f"cuda:{local_rank}"``, ``"cuda:1"``."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool):
+            return False
+        return isinstance(value, int) or (isinstance(value, str) and value.startswith("cuda"))
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        name = (node.id if isinstance(node, ast.Name) else node.attr).lower()
+        return any(word in name for word in _GPU_INDEX_WORDS)
+    if isinstance(node, ast.Call) and call_name(node) == "int" and node.args:
+        text = ast.unparse(node.args[0]).upper()
+        return "RANK" in text or "GPU" in text
+    if isinstance(node, ast.Subscript):
+        return "RANK" in ast.unparse(node).upper()
+    if isinstance(node, ast.JoinedStr):
+        head = node.values[0] if node.values else None
+        return isinstance(head, ast.Constant) and str(head.value).startswith("cuda")
+    return False
+
+
+_SET_DEVICE = ("set_device", "device_index", "set_device_index")
+
+
+def cuda_without_gpu(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
+    """Code written for GPU workers (``torch.cuda.set_device(LOCAL_RANK)``, ``.to(gpu_id)``,
+    ``.cuda()``) run on workers that have none."""
+    if ctx.gpus:
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, args = call_name(node), node.args
+        if name in _SET_DEVICE and isinstance(node.func, ast.Attribute):
+            what = f"{ast.unparse(node.func)}(...)"
+        elif name == "cuda" and isinstance(node.func, ast.Attribute):
+            if ast.unparse(node.func.value) in ("torch", "tf"):
+                continue
+            what = f".cuda({ast.unparse(args[0]) if args else ''})"
+        elif name == "to" and args and _looks_like_gpu_index(args[0]) and not _is_rank(args[0]):
+            what = f".to({ast.unparse(args[0])})"
+        elif (
+            isinstance(ids := _kwarg(node, "device_ids"), (ast.List, ast.Tuple))
+            and ids.elts
+            and not any(map(_is_rank, ids.elts))
+        ):
+            what = f"device_ids={ast.unparse(ids)}"
+        else:
+            continue
+        out.append(
+            Finding(
+                rule="cuda-without-gpu",
+                line=node.lineno,
+                message=f"{what} asks for a GPU, and these workers have none: torch raises "
+                '("Torch not compiled with CUDA", "no attribute \'_cuda_setDevice\'"). Use '
+                "the device nbdist set for each worker: model.to(device), x.to(device) (cpu "
+                f"here, the worker's own GPU where there are GPUs) (see {TUTORIAL}, 'Devices').",
             )
         )
     return out
@@ -533,15 +634,68 @@ RULES: tuple[Callable[[ast.Module, CheckContext], list[Finding]], ...] = (
     spawn_in_cell,
     rank_as_gpu_index,
     uneven_slices,
+    cuda_without_gpu,
 )
+# The rules that also look into the functions of earlier cells a cell calls: they are about
+# what a call does, wherever it was written (an mp.spawn in a run_demo() defined above).
+CALL_RULES = (spawn_in_cell, cuda_without_gpu, init_process_group_rules)
+
+
+def _definitions(sources: tuple[str, ...]) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Functions (and methods) the earlier cells define, by name; a later definition wins."""
+    defs: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    for source in sources:
+        try:
+            defs.update((fn.name, fn) for fn in _functions(ast.parse(source)))
+        except SyntaxError:
+            continue
+    return defs
+
+
+def _reached(
+    tree: ast.Module, defs: dict[str, ast.FunctionDef | ast.AsyncFunctionDef]
+) -> Iterator[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.Call]]:
+    """Earlier cells' functions the cell calls, directly or through one another, each with the
+    call in the cell that leads to it."""
+    local = {fn.name for fn in _functions(tree)}
+    seen: set[str] = set()
+    for call in sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno
+    ):
+        stack = [call_name(call)]
+        while stack:
+            name = stack.pop()
+            if name in seen or name in local or name not in defs:
+                continue
+            seen.add(name)
+            fn = defs[name]
+            yield fn, call
+            stack.extend(call_name(n) for n in ast.walk(fn) if isinstance(n, ast.Call))
 
 
 def check_source(source: str, context: CheckContext | None = None) -> list[Finding]:
-    """Every finding for ``source``, in line order (``[]`` for a cell that does not parse)."""
+    """Every finding for ``source``, in line order (``[]`` for a cell that does not parse).
+
+    Functions of earlier cells (``context.earlier``) that the cell calls are checked by the
+    rules about calls (``CALL_RULES``); their findings name the function and point at the
+    cell line that calls it.
+    """
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
     ctx = context or CheckContext()
     findings = [f for rule in RULES for f in rule(tree, ctx)]
+    for fn, call in _reached(tree, _definitions(ctx.earlier)):
+        body = ast.Module(body=[fn], type_ignores=[])
+        for rule in CALL_RULES:
+            for f in rule(body, ctx):
+                findings.append(
+                    Finding(
+                        rule=f.rule,
+                        line=call.lineno,
+                        message=f"in {fn.name}(), defined in an earlier cell (its line "
+                        f"{f.line}): {f.message}",
+                    )
+                )
     return sorted(findings, key=lambda f: (f.line, f.rule))

@@ -3,25 +3,32 @@ per-rank memory lines of ``%distrain status``. Each runs between cells, on every
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from IPython.core.error import UsageError
 
-from nbdist.engine import session_ops
-from nbdist.kernel.curves import PER_RANK_MAX
+from nbdist.engine import backends, session_ops
+from nbdist.kernel.engines import DEAD_ADVICE, gather
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
+from nbdist.ranks import MANY_RANKS
 
 COMMAND_TIMEOUT_S = 60.0
 
 
 def _running(session: Session, what: str) -> None:
+    session.ready()
     if not session.cluster.running or not session.cluster.engines:
         raise UsageError(
             f"%distrain {what}: no workers are running; run a %%distrain cell (or "
             "%distrain start) first."
+        )
+    dead = session.cluster.dead(range(session.cluster.size))
+    if dead:
+        raise UsageError(
+            f"%distrain {what}: {session.cluster.gone_text(dead, when=' after its last cell')}. "
+            f"{DEAD_ADVICE}"
         )
 
 
@@ -30,20 +37,18 @@ def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
     names the rank."""
     cluster = session.cluster
     ars = [cluster.apply_async(e.rank, fn, *args) for e in cluster.engines]
-    deadline = time.monotonic() + COMMAND_TIMEOUT_S
-    out = []
-    for rank, ar in enumerate(ars):
-        try:
-            out.append(ar.get(max(0.0, deadline - time.monotonic())))
-        except TimeoutError:
-            raise UsageError(
-                f"%distrain {what}: rank {rank} did not answer within {COMMAND_TIMEOUT_S:g} s "
-                "(is a cell still running there?); %distrain status shows which rank is busy, "
-                "%distrain restart gives fresh workers."
-            ) from None
-        except Exception as e:
-            raise UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}") from None
-    return out
+
+    def late(rank: int) -> UsageError:
+        return UsageError(
+            f"%distrain {what}: rank {rank} did not answer within {COMMAND_TIMEOUT_S:g} s "
+            "(is a cell still running there?); %distrain status shows which rank is busy, "
+            "%distrain restart gives fresh workers."
+        )
+
+    def failed(rank: int, e: Exception) -> UsageError:
+        return UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}")
+
+    return gather(range(len(ars)), ars, COMMAND_TIMEOUT_S, late=late, failed=failed)
 
 
 def _remote_message(e: Exception) -> str:
@@ -51,7 +56,7 @@ def _remote_message(e: Exception) -> str:
     return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
 
 
-MOST_MEMORY = 5  # ranks named beyond PER_RANK_MAX ranks
+MOST_MEMORY = 5  # ranks named beyond MANY_RANKS ranks
 
 
 def _mb(n: int | None) -> str:
@@ -62,8 +67,8 @@ def reset(session: Session) -> str:
     _running(session, "reset")
     reports = _on_all(session, "reset", session_ops.reset)
     session.forget()
-    dropped = sorted({name for r in reports for name in r["dropped"]})
-    memory = ", ".join(f"rank {i} {_mb(r['rss'])}" for i, r in enumerate(reports))
+    dropped = sorted({name for r in reports for name in r.dropped})
+    memory = ", ".join(f"rank {i} {_mb(r.rss)}" for i, r in enumerate(reports))
     what = f"dropped {', '.join(dropped)}" if dropped else "no variables to drop"
     return f"nbdist: reset: {what} on every worker; memory now {memory}"
 
@@ -95,7 +100,7 @@ def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> s
             source="",
             kind="push",
             push=values,
-            framework=session.framework or "torch",
+            framework=session.framework or backends.FRAMEWORKS[0],
             world_size=session.cluster.size,
             autolog=False,
         )  # fmt: skip
@@ -126,32 +131,34 @@ def status_lines(session: Session) -> list[str]:
     """Each rank's memory, its GPUs and how many variables it holds."""
     if not session.cluster.running or not session.cluster.engines:
         return []
+    if session.cluster.dead(range(session.cluster.size)):
+        return []  # the status table says which, and what to do
     try:
         reports = _on_all(session, "status", session_ops.memory)
     except UsageError as e:  # a busy or dead engine: status still shows the rest
         return [f"memory: not available ({e})"]
-    if len(reports) > PER_RANK_MAX:
+    if len(reports) > MANY_RANKS:
         return host_memory_lines(reports, [e.host for e in session.cluster.engines])
     return memory_lines(reports)
 
 
 def host_memory_lines(reports: list[dict[str, Any]], hosts: list[str]) -> list[str]:
-    """``%distrain status`` beyond ``PER_RANK_MAX`` ranks: memory and variables per host
+    """``%distrain status`` beyond ``MANY_RANKS`` ranks: memory and variables per host
     (min / median / max over its ranks), then the ranks using the most memory."""
     groups: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts[: len(reports)]):
         groups.setdefault(host, []).append(rank)
     lines = ["memory per host (min / median / max over its ranks):"]
     for host, ranks in groups.items():
-        rss = sorted(reports[r]["rss"] for r in ranks)
-        var = sorted(reports[r]["variables"] for r in ranks)
+        rss = sorted(reports[r].rss for r in ranks)
+        var = sorted(reports[r].variables for r in ranks)
         mid = (len(ranks) - 1) // 2
         lines.append(
             f"  {host}: {len(ranks)} ranks, {_mb(rss[0])} / {_mb(rss[mid])} / {_mb(rss[-1])}, "
             f"variables {var[0]} / {var[mid]} / {var[-1]}"
         )
-    most = sorted(range(len(reports)), key=lambda r: (-reports[r]["rss"], r))[:MOST_MEMORY]
-    lines.append("most memory: " + ", ".join(f"rank {r} {_mb(reports[r]['rss'])}" for r in most))
+    most = sorted(range(len(reports)), key=lambda r: (-reports[r].rss, r))[:MOST_MEMORY]
+    lines.append("most memory: " + ", ".join(f"rank {r} {_mb(reports[r].rss)}" for r in most))
     return lines
 
 
@@ -160,13 +167,13 @@ def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
     with GPUs, a last column names each rank's GPU and the memory in use on it."""
     head = f"{'rank':>4}  {'memory':>9}  {'gpu memory':>10}  variables"
     rows = [
-        f"{rank:>4}  {_mb(r['rss']):>9}  {_mb(r['gpu']):>10}  {r['variables']}"
+        f"{rank:>4}  {_mb(r.rss):>9}  {_mb(r.gpu):>10}  {r.variables}"
         for rank, r in enumerate(reports)
     ]
-    if not any(r.get("gpus") for r in reports):
+    if not any(r.gpus for r in reports):
         return [head, *rows]
     width = max(len(line) for line in (head, *rows))
-    gpus = ["; ".join(_gpu_text(g) for g in r.get("gpus", [])) or "-" for r in reports]
+    gpus = ["; ".join(_gpu_text(g) for g in r.gpus) or "-" for r in reports]
     return [f"{head:<{width}}  gpu"] + [
         f"{row:<{width}}  {gpu}" for row, gpu in zip(rows, gpus, strict=True)
     ]

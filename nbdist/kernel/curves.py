@@ -19,17 +19,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbdist.ranks import MANY_RANKS
+
 RATE_WINDOW_S = 2.0
 GRID_POINTS = 200  # the total's curve: the ranks' rates summed at this many instants
-STRAGGLER_RATIO = 1.25  # a rank working this much longer per step than the others is marked
-STRAGGLER_MIN_S = 0.001  # ...and at least this much longer: less is noise, nobody waits for it
-MIN_WORK_STEPS = 10  # steps measured before a rank's working time is shown or compared
+# A straggler is named only when its effect is real and sizeable: it works STRAGGLER_RATIO times
+# (and STRAGGLER_MIN_S) longer per step than the others, over MIN_STRAGGLER_STEPS steps, the
+# others wait for it at least STRAGGLER_WAIT_SHARE of their step, and its extra work adds up to
+# STRAGGLER_MIN_TOTAL_S over the steps measured: a 0.1 s cell (tutorial 01's), or a rank that
+# a busy machine slowed for a moment, names none.
+STRAGGLER_RATIO = 1.25
+STRAGGLER_MIN_S = 0.001
+MIN_STRAGGLER_STEPS = 20
+STRAGGLER_WAIT_SHARE = 0.1
+STRAGGLER_MIN_TOTAL_S = 0.5
+MIN_WORK_STEPS = 10  # steps measured before a rank's working time is shown
 WORK_WINDOW = 200  # steps: the working time per step is a median over the most recent ones
 LOG_DECADES = 2.0  # the loss axis turns logarithmic when the loss spans more than this
 TOO_SHORT = "too short to measure throughput"
-# Beyond this many ranks the panel summarises them (a line or table row each is unreadable, and
+# Beyond MANY_RANKS ranks the panel summarises them (a line or table row each is unreadable, and
 # at 512 ranks its legend alone took seconds to draw): mean and min–max band, rows per host.
-PER_RANK_MAX = 16
 BAND_S = 0.5  # ...and the ranks' samples/s are summarised at instants this far apart
 
 
@@ -97,6 +106,7 @@ class Aggregate:
     loss: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> loss
     rates: list[RankRate] = field(init=False)
     work: list[list[float]] = field(init=False)  # per rank: seconds of own work per step
+    wait: list[list[float]] = field(init=False)  # per rank: seconds waiting for the others
     last: list[dict[str, Any]] = field(init=False)
     offset: int | None = None  # this cell's steps + offset = the session's steps
     total_steps: int | None = None
@@ -112,11 +122,12 @@ class Aggregate:
         self.step_base = self.earlier[-1].steps[-1] + 1 if self.earlier else 0
         self.rates = [RankRate() for _ in range(self.world)]
         self.work = [[] for _ in range(self.world)]
+        self.wait = [[] for _ in range(self.world)]
         self.last = [{} for _ in range(self.world)]
         self._loss_stats = {}
         self._steps = []
         self._work_cache = (-1, {})
-        self.bands = RankBands(self.world, self.start) if self.world > PER_RANK_MAX else None
+        self.bands = RankBands(self.world, self.start) if self.world > MANY_RANKS else None
 
     def _add_loss(self, step: int, rank: int, value: float) -> None:
         at = self.loss.get(step)
@@ -159,6 +170,7 @@ class Aggregate:
                     self.bands.add(rank, rr.rate_times[-1], rr.rates[-1])
             if "work" in point:
                 self.work[rank].append(float(point["work"]))
+                self.wait[rank].append(float(point.get("wait", 0.0)))
             self.last[rank] = {**self.last[rank], **point}
         self.seen = len(history)
 
@@ -218,9 +230,9 @@ class Aggregate:
         return cache[rank]
 
     def stragglers(self) -> list[tuple[int, float]]:
-        """``(rank, ratio)`` for each rank working more than ``STRAGGLER_RATIO`` times (and
-        ``STRAGGLER_MIN_S`` more than) the median of the other ranks' working time per step:
-        the ranks the others wait for."""
+        """``(rank, ratio)`` for each rank the others wait for, when that matters (the rule is
+        with ``STRAGGLER_RATIO``): ``ratio`` is its working time per step over the median of
+        the other ranks'."""
         work = {r: w for r in range(self.world) if (w := self.work_per_step(r)) is not None}
         if len(work) < 2:
             return []
@@ -228,9 +240,29 @@ class Aggregate:
         out = []
         for rank, mine in work.items():
             others = _median_without(ordered, mine)
-            if others > 0 and mine > STRAGGLER_RATIO * others and mine - others > STRAGGLER_MIN_S:
-                out.append((rank, mine / others))
+            steps = min(len(self.work[rank]), WORK_WINDOW)
+            if not (
+                others > 0
+                and steps >= MIN_STRAGGLER_STEPS
+                and mine > STRAGGLER_RATIO * others
+                and mine - others > STRAGGLER_MIN_S
+                and (mine - others) * steps >= STRAGGLER_MIN_TOTAL_S
+                and self._others_wait(rank) >= STRAGGLER_WAIT_SHARE
+            ):
+                continue
+            out.append((rank, mine / others))
         return out
+
+    def _others_wait(self, rank: int) -> float:
+        """The median share of their step the ranks other than ``rank`` spend waiting."""
+        shares = []
+        for r in range(self.world):
+            work, wait = self.work[r][-WORK_WINDOW:], self.wait[r][-WORK_WINDOW:]
+            if r == rank or len(work) < MIN_WORK_STEPS:
+                continue
+            step = statistics.median(w + t for w, t in zip(work, wait, strict=True))
+            shares.append(statistics.median(wait) / step if step > 0 else 0.0)
+        return statistics.median(shares) if shares else 0.0
 
     def summary(self, wall: float, framework: str, detail: str = "", *, logy: bool = False) -> str:
         """One line: final loss, throughput, stragglers, wall time, workers."""
@@ -285,7 +317,7 @@ def _median_without(ordered: list[float], value: float) -> float:
 
 class RankBands:
     """The ranks' samples/s every ``BAND_S`` seconds of the run: mean, min, max and total over
-    the ranks, each rank counted at its latest rate (for runs of more than ``PER_RANK_MAX``
+    the ranks, each rank counted at its latest rate (for runs of more than ``MANY_RANKS``
     ranks, drawn as a band instead of a line per rank).
 
     An instant is summarised once every rank that counts samples has a rate after it (points

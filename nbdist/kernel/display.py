@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.kernel.curves import PER_RANK_MAX, Aggregate, Segment
-from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, use_log_scale
+from nbdist.kernel.curves import Aggregate, Segment
+from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, png_data, use_log_scale
+from nbdist.ranks import MANY_RANKS
 
 REDRAW_S = 0.5
 # The kernel shares the cores with the workers: the figure (the costly part, ~0.1 s a draw on a
@@ -29,7 +30,7 @@ FIGURE_CPU_BUDGET = 0.05
 # ...but never older than this: a first draw is slow (fonts, ticks made once) and a busy
 # machine slows any draw, which the budget alone would turn into a figure seconds behind.
 FIGURE_MAX_AGE_S = 2.0
-# Past PER_RANK_MAX ranks the figure is a mean with a min-max band (cheap to draw), the notebook
+# Past MANY_RANKS ranks the figure is a mean with a min-max band (cheap to draw), the notebook
 # usually drives machines other than its own, and the ranks flush only every 0.5 s at 512: the
 # figure is redrawn with the table, to stay within 2 s of the newest point (benchmarks/scale.py:
 # every 1 s still left it 2.02 s behind at worst at 512 ranks).
@@ -43,7 +44,7 @@ SLOWEST_LISTED = 5  # ranks named under the table grouped by host
 def figure_wait(took: float, world: int) -> float:
     """Seconds until the next live figure, after one that took ``took`` s to draw: within the
     CPU budget, but at least every ``REDRAW_S`` and at most the figure's age limit."""
-    oldest = FIGURE_MAX_AGE_S if world <= PER_RANK_MAX else FIGURE_MAX_AGE_BANDS_S
+    oldest = FIGURE_MAX_AGE_S if world <= MANY_RANKS else FIGURE_MAX_AGE_BANDS_S
     return min(max(REDRAW_S, took / FIGURE_CPU_BUDGET), oldest)
 
 
@@ -76,9 +77,9 @@ def table_html(
 ) -> str:
     """One row per rank: state, step, last loss, samples/s, working time per step, elapsed, ETA.
 
-    A rank the others wait for is marked in its working time. Beyond ``PER_RANK_MAX`` ranks,
+    A rank the others wait for is marked in its working time. Beyond ``MANY_RANKS`` ranks,
     one row per host instead (:func:`host_table_html`)."""
-    if agg.world > PER_RANK_MAX:
+    if agg.world > MANY_RANKS:
         return host_table_html(agg, states, now, hosts)
     rows = []
     elapsed = now - agg.start
@@ -154,8 +155,17 @@ def host_table_html(
         )
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("host", "ranks", "state", "step", "loss", "samples/s", "work/step",
-                  "elapsed", "ETA")  # fmt: skip
+        for h in (
+            "host",
+            "ranks",
+            "state",
+            "step",
+            "loss",
+            "samples/s",
+            "work/step",
+            "elapsed",
+            "ETA",
+        )  # fmt: skip
     )
     note = "<i>min / median / max over each host's ranks</i>"
     slow = dict(agg.stragglers())
@@ -194,13 +204,31 @@ _BUTTON_STYLE = (
 )
 
 
-def stop_button_html(interrupt_path: str | None, *, stopped: bool = False) -> str:
+# A run whose ranks can stop together at a step boundary (nbdist.engine.stopping) says so.
+GRACEFUL_LABEL = "Stop after this step"
+STOPPING_LABEL = "Stopping at the next step all ranks reach..."
+
+
+def stop_button_html(
+    interrupt_path: str | None, *, stopped: bool = False, graceful: bool = False
+) -> str:
     """The Stop button: POSTs to ``interrupt_path`` (the server's kernel interrupt URL)."""
     if stopped or interrupt_path is None:
         label = "Stopped" if stopped else "Stop: use Kernel > Interrupt"
         return f'<button disabled style="{_BUTTON_STYLE};opacity:0.5">{label}</button>'
     onclick = _STOP_JS.replace("PATH", interrupt_path)
-    return f'<button class="nbdist-stop" style="{_BUTTON_STYLE}" onclick="{onclick}">Stop</button>'
+    if graceful:
+        onclick = onclick.replace("'Stopping...'", f"'{STOPPING_LABEL}'")
+    label = GRACEFUL_LABEL if graceful else "Stop"
+    style = _BUTTON_STYLE
+    return f'<button class="nbdist-stop" style="{style}" onclick="{onclick}">{label}</button>'
+
+
+def stopping_html(step: int | None = None) -> str:
+    """The Stop button once a graceful stop was asked for: disabled, saying what happens (and
+    after which step, once the ranks have agreed)."""
+    label = STOPPING_LABEL if step is None else f"Stopping after step {step}..."
+    return f'<button disabled style="{_BUTTON_STYLE};opacity:0.7">{label}</button>'
 
 
 class Dashboard:
@@ -215,6 +243,7 @@ class Dashboard:
         interrupt_path: str | None,
         show: Callable[[dict[str, Any]], None],
         hosts: Sequence[str] | None = None,
+        graceful: bool = False,
     ) -> None:
         import ipywidgets as widgets
 
@@ -226,7 +255,7 @@ class Dashboard:
         self.interrupt_path = interrupt_path
         self.table = widgets.HTML()
         self.image = widgets.Image(format="png")
-        self.stop = widgets.HTML(stop_button_html(interrupt_path))
+        self.stop = widgets.HTML(stop_button_html(interrupt_path, graceful=graceful))
         self.box = widgets.VBox([self.table, self.image, self.stop])
         show(
             {
@@ -280,9 +309,17 @@ class LiveView:
         The loss axis logarithmic or linear; None decides from the loss (more than two
         decades: logarithmic).
     earlier : sequence of Segment
-        This session's earlier loss curves, which this cell's continues.
+        This session's earlier loss curves, which this cell's continues when it trains the same
+        model further (see ``earlier_key``).
+    earlier_key : str or None
+        Which model the earlier curves trained (``Recorder.model``'s key). A cell that turns
+        out to train another one (a different model object, or another framework) starts a
+        curve of its own: the earlier ones are left out of its figure and step numbers.
     hosts : sequence of str or None
-        Each rank's host, for the table grouped by host beyond ``PER_RANK_MAX`` ranks.
+        Each rank's host, for the table grouped by host beyond ``MANY_RANKS`` ranks.
+    graceful : bool
+        The Stop button stops every rank at the same step boundary, the session kept (the
+        backend has a board: ``nbdist.engine.stopping``).
     """
 
     def __init__(
@@ -296,9 +333,14 @@ class LiveView:
         expect_metrics: bool = False,
         logy: bool | None = None,
         earlier: Sequence[Segment] = (),
+        earlier_key: str | None = None,
         hosts: Sequence[str] | None = None,
+        graceful: bool = False,
     ) -> None:
         self.agg = Aggregate(world, earlier=list(earlier))
+        self.graceful = graceful  # Stop ends the run at a step boundary, the session kept
+        self.earlier_key = earlier_key
+        self.key: str | None = None  # the model this cell trains, once known
         self.hosts = list(hosts) if hosts is not None else None
         self.plot, self.smoothing, self.logy = plot, smoothing, logy
         self._display, self._interrupt_path = display, interrupt_path
@@ -308,6 +350,8 @@ class LiveView:
         self.dashboard: Dashboard | None = None
         self.display_id: str | None = None
         self.redraws = 0
+        self._stopping = False
+        self.stopping_step: int | None = None
         if plot and expect_metrics:
             self._show({"text/plain": PANEL_TEXT})
 
@@ -324,6 +368,35 @@ class LiveView:
             self.figure = figure_for(self.agg.world, self.agg.earlier)
         return self.figure
 
+    @property
+    def continued(self) -> bool:
+        """Whether this cell's curve continues the earlier cells' (the same model, trained
+        further)."""
+        return bool(self.agg.earlier)
+
+    def trains(self, key: str) -> None:
+        """The model this cell trains is ``key``: another one than the earlier cells' starts a
+        curve of its own (the points taken in so far are taken in again, from step 0)."""
+        if self.key is not None:
+            return
+        self.key = key
+        if self.agg.earlier and key != self.earlier_key:
+            total, self.agg = self.agg.total_steps, Aggregate(self.agg.world, start=self.agg.start)
+            self.agg.total_steps = total
+            if self.figure is not None:
+                self.figure.reset()
+            if self.dashboard is not None:
+                self.dashboard.agg = self.agg
+                self.dashboard.drawn = -1
+
+    def stopping(self, step: int | None = None) -> None:
+        """A graceful stop was asked for: the Stop button says the ranks are stopping (after
+        ``step``, once they have agreed on it)."""
+        self._stopping = True
+        self.stopping_step = step
+        if self.dashboard is not None:
+            self.dashboard.stop.value = stopping_html(step)
+
     def update(
         self,
         history: Sequence[dict[str, Any]],
@@ -331,8 +404,12 @@ class LiveView:
         *,
         total_steps: int | None = None,
         force: bool = False,
+        key: str | None = None,
     ) -> bool:
-        """Take in new points; redraw if the throttle allows. Returns whether it redrew."""
+        """Take in new points; redraw if the throttle allows. Returns whether it redrew.
+        ``key``: the model the cell trains, once a rank has said (see :meth:`trains`)."""
+        if key is not None:
+            self.trains(key)
         self.agg.add(history)
         if total_steps is not None:
             self.agg.total_steps = total_steps
@@ -345,7 +422,10 @@ class LiveView:
                 interrupt_path=self._interrupt_path,
                 show=self._show,
                 hosts=self.hosts,
+                graceful=self.graceful,
             )
+            if self._stopping:
+                self.dashboard.stop.value = stopping_html(self.stopping_step)
         self.dashboard.draw(states, self.smoothing, self.logy, force=force)
         self.redraws += 1
         return True
@@ -358,9 +438,12 @@ class LiveView:
         wall: float,
         framework: str,
         detail: str = "",
+        key: str | None = None,
     ) -> str | None:
         """The static figure in the panel's place and the summary line (returned); None
-        without metrics (and the panel's place, if one was held, left empty)."""
+        without metrics (and the panel's place, if one was held, left empty). ``key``: the
+        model the cell trained (``framework:log`` for a cell that logged without one)."""
+        self.trains(key or f"{framework}:log")
         self.agg.add(history)
         dashboard, self.dashboard = self.dashboard, None
         if dashboard is not None:
@@ -374,6 +457,6 @@ class LiveView:
                 png = dashboard.image.value  # the live figure is up to date: no second render
             else:
                 png = self._figure().png(self.agg, self.smoothing, self.logy)
-            self._show({"image/png": png, "text/plain": PANEL_TEXT})
+            self._show({"image/png": png_data(png), "text/plain": PANEL_TEXT})
         logy = self.plot and use_log_scale(self.agg, self.logy)
         return self.agg.summary(wall, framework, detail, logy=logy)

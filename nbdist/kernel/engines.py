@@ -3,9 +3,9 @@ behind them.
 
 A rank is a *position* in the engines ordered by host address, then engine id, never the id
 itself: ids change when engines are replaced. Ranks are contiguous per host (``LOCAL_RANK``,
-GPU pinning), and rank 0's host is ``MASTER_ADDR``. Everything here is plain data in, plain
-data out (``rank_engines``, the status text) or works on local PIDs (``kill_trees``,
-``gone``, ``cpu_seconds``), so the cluster module keeps to ipyparallel itself.
+GPU pinning), and rank 0's host is ``MASTER_ADDR``. Plain data in, plain data out
+(``rank_engines``, the status text), and the part of a cluster both kinds share
+(:class:`RankedEngines`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from nbdist.engine import worker
 from nbdist.engine.hardware import is_loopback
 from nbdist.errors import ClusterError
+from nbdist.protocol import EngineReport
+from nbdist.ranks import MANY_RANKS, spans
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,13 @@ class EngineInfo:
     host: str
     address: str
     pid: int
-    gpu: str | None
+    gpu: str | None  # the GPU its rank uses, as CUDA_VISIBLE_DEVICES names it; None: the CPU
+    visible: str  # the CUDA_VISIBLE_DEVICES it runs with ("": no GPU)
+    cuda_index: int | None  # its device is cuda:<cuda_index>
     cpus: int
     local_rank: int
     local_world_size: int
+    interface: str | None = None  # the network interface its address is on
 
 
 def _host_key(address: str) -> tuple[Any, ...]:
@@ -48,69 +54,90 @@ def _host_key(address: str) -> tuple[Any, ...]:
     return (1, address)
 
 
-def settle_addresses(infos: list[dict[str, Any]], *, local: str | None) -> list[dict[str, Any]]:
+def settle_addresses(infos: list[EngineReport], *, local: str | None) -> list[EngineReport]:
     """The address each engine's host is reached at: ``local`` for a cluster this kernel started
     (all on this machine), else the one each engine reported."""
     if local is not None:
-        for info in infos:
-            info["address"] = local
-    elif len({info["host"] for info in infos}) > 1:
-        # Several hosts, but the controller was reached over loopback (it listens on every
-        # interface and this notebook runs on its host): an engine's route to "127.0.0.1" is
-        # its own loopback. Use the host's own non-loopback address instead.
-        for info in infos:
-            if is_loopback(info["address"]):
-                if not info["addresses"]:
-                    raise ClusterError(
-                        f"engine on {info['host']} has no address other hosts can reach; set "
-                        "NBDIST_ADDRESS in its environment (ipcluster_config.py: "
-                        "c.EngineLauncher.environment) and %distrain connect again."
-                    )
-                info["address"] = info["addresses"][0]
-    return infos
+        return [replace(info, address=local) for info in infos]
+    if len({info.host for info in infos}) <= 1:
+        return infos
+    # Several hosts, but the controller was reached over loopback (it listens on every
+    # interface and this notebook runs on its host): an engine's route to "127.0.0.1" is its
+    # own loopback. Use the host's own non-loopback address instead.
+    out = []
+    for info in infos:
+        if info.address is None or is_loopback(info.address):
+            if not info.addresses:
+                raise ClusterError(
+                    f"engine on {info.host} has no address other hosts can reach; set "
+                    "NBDIST_ADDRESS in its environment (ipcluster_config.py: "
+                    "c.EngineLauncher.environment) and %distrain connect again."
+                )
+            info = replace(info, address=info.addresses[0])
+        out.append(info)
+    return out
 
 
-def gpu_for_engine(gpus: Sequence[str], *, local_rank: int, local_world_size: int) -> str | None:
-    """The ``CUDA_VISIBLE_DEVICES`` an engine gets, from the GPUs it sees itself (``gpus``, see
-    ``hardware.visible_gpus``) and its place among the engines of its host; None: no GPU.
+def gpus_for_host(seen: Sequence[Sequence[str]]) -> list[tuple[str | None, str, int | None]]:
+    """For the engines of one host, in local-rank order, from the GPUs each sees itself
+    (``hardware.visible_gpus``): ``(gpu, visible, index)`` each: the GPU its rank uses (None: the
+    CPU), the ``CUDA_VISIBLE_DEVICES`` it runs with, and its device, ``cuda:<index>``.
 
-    One GPU per engine, in local-rank order: engine ``local_rank`` of a host gets the
-    ``local_rank``-th GPU the host shows it (with ``CUDA_VISIBLE_DEVICES=3,5`` set before the
-    start, local rank 1 gets ``5``).
+    As under torchrun, every engine of a host sees the host's GPUs that the cluster uses, in
+    local-rank order, and uses ``cuda:<local rank>``: libraries that pick ``cuda:LOCAL_RANK``
+    (accelerate, Lightning, ``Trainer``) find their GPU. With ``CUDA_VISIBLE_DEVICES=3,5`` set
+    before the start, local rank 1 uses GPU 5 as ``cuda:1``. Alone on its host, an engine sees
+    every GPU (``MirroredStrategy`` may use them all). Engines a launcher bound to one GPU each
+    (``srun --gpus-per-task=1``) keep theirs, as ``cuda:0``. Fewer GPUs than engines: the CPU
+    for each (two processes cannot share a GPU under nccl), and the start says so.
     """
-    if local_world_size == 1 and gpus:
-        return ",".join(gpus)  # alone on its host: MirroredStrategy may use every GPU
-    if local_rank < len(gpus):
-        return gpus[local_rank]
-    # A launcher that binds one GPU per task (srun --gpus-per-task=1) already gave this engine
-    # its own; otherwise more engines than GPUs: this one gets none.
-    return gpus[0] if len(gpus) == 1 else None
+    n = len(seen)
+    if n > 1 and all(len(s) == 1 for s in seen) and len({s[0] for s in seen}) == n:
+        return [(s[0], s[0], 0) for s in seen]
+    out: list[tuple[str | None, str, int | None]] = []
+    for local_rank, own in enumerate(seen):
+        if n == 1 and own:
+            out.append((",".join(own), ",".join(own), 0))
+        elif len(own) >= n:
+            used = list(own[:n])
+            out.append((used[local_rank], ",".join(used), local_rank))
+        else:
+            out.append((None, "", None))
+    return out
 
 
-def rank_engines(ids: Sequence[int], infos: Sequence[dict[str, Any]]) -> list[EngineInfo]:
+def rank_engines(ids: Sequence[int], infos: Sequence[EngineReport]) -> list[EngineInfo]:
     """Engines in rank order, from their ids and what each reported (``worker.engine_info``
-    with its ``address`` settled): local ranks per host address, and one GPU each."""
-    order = sorted(range(len(ids)), key=lambda i: (_host_key(infos[i]["address"]), ids[i]))
+    with its ``address`` settled): local ranks per host address, and a GPU each
+    (:func:`gpus_for_host`)."""
+    order = sorted(range(len(ids)), key=lambda i: (_host_key(str(infos[i].address)), ids[i]))
     ids, infos = [ids[i] for i in order], [infos[i] for i in order]
     by_host: dict[str, list[int]] = {}
     for rank, info in enumerate(infos):
-        by_host.setdefault(info["address"], []).append(rank)
+        by_host.setdefault(str(info.address), []).append(rank)
+    gpus = {
+        address: gpus_for_host([infos[r].gpus for r in ranks]) for address, ranks in by_host.items()
+    }
     engines = []
     for rank, (eid, info) in enumerate(zip(ids, infos, strict=True)):
-        peers = by_host[info["address"]]
+        address = str(info.address)
+        peers = by_host[address]
         local_rank = peers.index(rank)
-        gpu = gpu_for_engine(info["gpus"], local_rank=local_rank, local_world_size=len(peers))
+        gpu, visible, index = gpus[address][local_rank]
         engines.append(
             EngineInfo(
                 rank=rank,
                 engine_id=eid,
-                host=info["host"],
-                address=info["address"],
-                pid=info["pid"],
+                host=info.host,
+                address=address,
+                pid=info.pid,
                 gpu=gpu,
-                cpus=info["cpus"],
+                visible=visible,
+                cuda_index=index,
+                cpus=info.cpus,
                 local_rank=local_rank,
                 local_world_size=len(peers),
+                interface=info.interfaces.get(address),
             )
         )
     return engines
@@ -137,14 +164,17 @@ def connected_text(engines: Sequence[EngineInfo]) -> str:
 
 
 def status_text(
-    engines: Sequence[EngineInfo], *, source: str, busy: dict[int, int], warm: Iterable[str]
+    engines: Sequence[EngineInfo],
+    *,
+    source: str,
+    busy: dict[int, int],
+    warm: Iterable[str],
+    dead: dict[int, str] | None = None,
 ) -> str:
-    """``%distrain status``: the hosts, then one line per rank (beyond ``PER_RANK_MAX``
+    """``%distrain status``: the hosts, then one line per rank (beyond ``MANY_RANKS``
     ranks, each host's busy and idle count instead, and the busy ranks)."""
-    from nbdist.kernel.curves import PER_RANK_MAX
-
     hosts = by_host(engines)
-    grouped = len(engines) > PER_RANK_MAX
+    grouped = len(engines) > MANY_RANKS
     lines = [
         f"nbdist: {len(engines)} workers on {len(hosts)} host{'s' if len(hosts) > 1 else ''}, "
         f"{source}"
@@ -162,116 +192,71 @@ def status_text(
         )
     if grouped:
         running = [e.rank for e in engines if busy.get(e.rank)]
-        lines.append(f"busy ranks: {_spans(running) if running else 'none'}")
+        lines.append(f"busy ranks: {spans(running) if running else 'none'}")
+        if dead:
+            lines.append(f"dead ranks: {spans(sorted(dead))}. {DEAD_ADVICE}")
         if warm:
             lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
         return "\n".join(lines)
     lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
+    dead = dead or {}
     for e in engines:
         state = "busy" if busy.get(e.rank) else "idle"
+        if e.rank in dead:
+            state = f"dead: {dead[e.rank]}" if dead[e.rank] else "dead"
         gpu = e.gpu if e.gpu is not None else "-"
         lines.append(f"{e.rank:>4}  {e.engine_id:>6}  {e.host:<20} {e.pid:>8}  {gpu:<5} {state}")
     if warm:
         lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
+    if dead:
+        lines.append(DEAD_ADVICE)
     return "\n".join(lines)
 
 
-def _spans(ranks: Sequence[int]) -> str:
-    """``0-3, 7, 9-10`` for ranks 0, 1, 2, 3, 7, 9, 10 (sorted)."""
-    out: list[str] = []
-    start = prev = ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(out)
+DEAD_ADVICE = (
+    "The next %%distrain cell replaces the workers (their variables are lost); "
+    "%distrain restart does it now."
+)
 
 
-# -- local engine processes (a cluster this kernel started) -----------------------------------
-def kill_trees(pids: Iterable[int]) -> None:
-    """SIGKILL each process and everything it started (what the cell ran: loaders, shells)."""
-    import psutil
-
-    for pid in pids:
+def exit_text(code: int | None) -> str:
+    """How a process ended, in words, from its exit code (negative: the signal that killed it,
+    as psutil and subprocess give it); "" when unknown."""
+    if code is None:
+        return ""
+    if code < 0:
         try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
-def shutdown_engines(client: Any, pids: list[int]) -> None:
-    """Ask engines to exit, then SIGKILL any still there after a second.
-
-    Engines that ran a gloo or TF collective often ignore SIGTERM, and the launcher would
-    wait for each in turn; a shutdown request followed by SIGKILL takes one second at most.
-    """
-    import psutil
-
-    try:
-        client.shutdown(targets="all", hub=False, block=False)
-    except Exception:  # engines already gone: nothing to ask
-        log.debug("engine shutdown request failed", exc_info=True)
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=1)
-    kill_trees(proc.pid for proc in alive)
-
-
-def gone(pid: int) -> bool:
-    """Whether the process is gone (or a zombie)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system) of the process and its children; None if it cannot be read."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]  # subprocesses, loader workers
-    except psutil.Error:
-        return None
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {
+            signal.SIGKILL: " (kill -9, or the kernel's out-of-memory killer)",
+            signal.SIGSEGV: " (a crash in native code)",
+            signal.SIGABRT: " (a native library aborted)",
+        }.get(-code, "")
+        return f"killed by {name}{why}"
+    return f"exited with status {code} (os._exit(), or a native library's exit())"
 
 
 class RankedEngines:
     """The engines of a cluster, by rank: run work on them, signal them, watch them.
 
-    Mixed into :class:`~nbdist.kernel.cluster.LocalCluster`, which provides ``_client`` (the
-    ipyparallel Client), ``engines`` (rank order) and ``owned`` (True when this kernel started
-    the engines, so their processes are local and visible).
+    The part both kinds of cluster share (:class:`~nbdist.kernel.local.LocalCluster`, started
+    by this kernel, and :class:`~nbdist.kernel.connected.ConnectedCluster`, started elsewhere):
+    the ipyparallel Client, the engines in rank order, and ``on_change``, called with a note
+    (or None) whenever the engines change, for the session to drop what lived on them. What
+    differs (how an engine is killed, seen dead, replaced) each kind says for itself.
     """
 
-    _client: Any
-    engines: list[EngineInfo]
-    owned: bool
-    source: str
-    warm: set[str]
+    source: str = ""
+    network: Any = None  # the workers' private network (a local cluster's)
+    stale: str | None = None  # why a connected cluster cannot run jobs any more
+
+    def __init__(self, *, notify: Callable[[str], None] = log.info) -> None:
+        self._notify = notify
+        self._client: Any = None
+        self.engines: list[EngineInfo] = []
+        self.on_change: Callable[[str | None], None] = lambda note: None
 
     @property
     def running(self) -> bool:
@@ -282,8 +267,50 @@ class RankedEngines:
         return len(self.engines)
 
     def apply_async(self, rank: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult."""
-        return self._client[self.engines[rank].engine_id].apply_async(fn, *args, **kwargs)
+        """Run ``fn`` on the engine of ``rank``; returns ipyparallel's AsyncResult. An engine
+        the controller no longer has (it died) is a ClusterError that says so."""
+        try:
+            view = self._client[self.engines[rank].engine_id]
+        except IndexError:  # ipyparallel's "No such engine"
+            raise ClusterError(f"{self.gone_text([rank])}. {DEAD_ADVICE}") from None
+        return view.apply_async(fn, *args, **kwargs)
+
+    # -- what each kind says for itself ------------------------------------------------------------
+    def exit_status(self, rank: int) -> int | None:
+        """How the engine of ``rank`` ended (exit code; negative: the signal), None when it
+        runs or nbdist cannot tell (engines it did not start)."""
+        return None
+
+    def dead(self, ranks: Sequence[int]) -> list[int]:
+        """Which of ``ranks`` have an engine that is gone."""
+        raise NotImplementedError
+
+    def kill(self, ranks: Sequence[int]) -> bool:
+        """SIGKILL the engines of ``ranks`` (ranks that ignored the interrupt); False when
+        they are not nbdist's to kill."""
+        raise NotImplementedError
+
+    def cpu_seconds(self, ranks: Sequence[int]) -> dict[int, float] | None:
+        """CPU time each rank's engine process has used; None when nbdist cannot see the
+        processes."""
+        return None
+
+    # -- shared ------------------------------------------------------------------------------------
+    def dead_reasons(self, ranks: Sequence[int] | None = None) -> dict[int, str]:
+        """The ranks (of ``ranks``, or all) whose engine is gone, and how each ended."""
+        chosen = range(self.size) if ranks is None else ranks
+        return {r: exit_text(self.exit_status(r)) for r in self.dead(chosen)}
+
+    def gone_text(self, ranks: Sequence[int], *, when: str = "") -> str:
+        """``rank 1 (host a, pid 12) died after its last cell (killed by SIGKILL)``, for each."""
+        parts = []
+        for r in ranks:
+            e = self.engines[r]
+            how = exit_text(self.exit_status(r))
+            parts.append(
+                f"rank {r} (host {e.host}, pid {e.pid}) died{when}{f': {how}' if how else ''}"
+            )
+        return "; ".join(parts)
 
     def apply_all(
         self,
@@ -298,18 +325,16 @@ class RankedEngines:
         """
         chosen = self.engines if ranks is None else [self.engines[r] for r in ranks]
         ars = [self.apply_async(e.rank, fn, **per_rank(e)) for e in chosen]
-        deadline = time.monotonic() + SETUP_TIMEOUT_S
-        out = []
-        for e, ar in zip(chosen, ars, strict=True):
-            try:
-                out.append(ar.get(max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
-                raise ClusterError(
-                    f"rank {e.rank} (host {e.host}, pid {e.pid}) did not answer within "
-                    f"{SETUP_TIMEOUT_S:g} s while setting up; is a cell still running there? "
-                    "%distrain status shows it; %distrain restart gives fresh workers."
-                ) from None
-        return out
+
+        def late(rank: int) -> ClusterError:
+            e = self.engines[rank]
+            return ClusterError(
+                f"rank {e.rank} (host {e.host}, pid {e.pid}) did not answer within "
+                f"{SETUP_TIMEOUT_S:g} s while setting up; is a cell still running there? "
+                "%distrain status shows it; %distrain restart gives fresh workers."
+            )
+
+        return gather([e.rank for e in chosen], ars, SETUP_TIMEOUT_S, late=late)
 
     def interrupt(self, ranks: Sequence[int]) -> None:
         """SIGINT the engines of ``ranks`` (a KeyboardInterrupt in the running cell)."""
@@ -317,32 +342,17 @@ class RankedEngines:
         if targets:
             self._client.send_signal(signal.SIGINT, targets=targets, block=False)
 
-    def kill(self, ranks: Sequence[int]) -> None:
-        """SIGKILL the engines of ``ranks``: for ranks that ignored the interrupt."""
-        if not self.owned:  # engines may be on other hosts: their nannies deliver the signal
-            targets = [self.engines[r].engine_id for r in ranks]
-            if targets:
-                self._client.send_signal(signal.SIGKILL, targets=targets, block=False)
-            return
-        kill_trees(self.engines[r].pid for r in ranks)
+    def ask_to_stop(self, ranks: Sequence[int]) -> None:
+        """Ask the engines of ``ranks`` to stop their cell at the next step boundary they all
+        reach (``nbdist.engine.stopping``; through ipyparallel, as the interrupt goes)."""
+        from nbdist.engine.stopping import STOP_SIGNAL
 
-    def dead(self, ranks: Sequence[int]) -> list[int]:
-        """Which of ``ranks`` have an engine process that is gone (or a zombie)."""
-        if not self.owned:  # no process to look at: an engine is dead when the hub says so
-            alive = set(self._client.ids)
-            return [r for r in ranks if self.engines[r].engine_id not in alive]
-        return [r for r in ranks if gone(self.engines[r].pid)]
-
-    def cpu_seconds(self, ranks: Sequence[int]) -> dict[int, float] | None:
-        """CPU time (user + system) each rank's engine process has used; None when nbdist cannot
-        see the processes (a connected cluster, whose engines may be on other hosts)."""
-        if not self.owned:
-            return None
-        seconds = {r: cpu_seconds(self.engines[r].pid) for r in ranks}
-        return {r: t for r, t in seconds.items() if t is not None}
+        targets = [self.engines[r].engine_id for r in ranks]
+        if targets:
+            self._client.send_signal(STOP_SIGNAL, targets=targets, block=False)
 
     def busy(self) -> dict[int, int]:
-        """Tasks queued or running per rank."""
+        """Tasks queued or running per rank (none for an engine the controller dropped)."""
         status = self._client.queue_status()
         return {
             e.rank: status.get(e.engine_id, {}).get("queue", 0)
@@ -353,7 +363,69 @@ class RankedEngines:
     def connected_text(self) -> str:
         return connected_text(self.engines)
 
-    def status_text(self) -> str:
+    def status_text(self, warm: Iterable[str] = ()) -> str:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
-        return status_text(self.engines, source=self.source, busy=self.busy(), warm=self.warm)
+        return status_text(
+            self.engines,
+            source=self.source,
+            busy=self.busy(),
+            warm=warm,
+            dead=self.dead_reasons(),
+        )
+
+    def _forget_engines(self, note: str | None = None) -> None:
+        """The engines are gone or about to change: the session hears of it (``note``: what to
+        tell the user if variables lived on them; None: the caller tells)."""
+        had = bool(self.engines)
+        self.engines = []
+        if had:
+            self.on_change(note)
+
+    def _learn_engines(self, ids: list[int] | None = None, *, timeout: float | None = None) -> None:
+        """Rank the engines of ``ids`` (all the controller has by default): ask each what it is,
+        order them by host, pin their GPUs."""
+        ids = sorted(self._client.ids) if ids is None else ids
+        infos = self._client[ids].apply_async(worker.engine_info, self._peer()).get(timeout=timeout)
+        engines = rank_engines(ids, self._settle(infos))
+        ids = [e.engine_id for e in engines]
+        self._client[ids].map_sync(
+            worker.use_gpus, [e.visible for e in engines], [e.cuda_index for e in engines]
+        )
+        self._learned(engines)
+        self.engines = engines
+
+    def _peer(self) -> str:
+        """The controller's address as the engines should look for it."""
+        raise NotImplementedError
+
+    def _settle(self, infos: list[EngineReport]) -> list[EngineReport]:
+        return infos
+
+    def _learned(self, engines: list[EngineInfo]) -> None:
+        """What a kind does with newly ranked engines before they are used."""
+
+
+def gather(
+    ranks: Sequence[int],
+    ars: Sequence[Any],
+    timeout: float,
+    *,
+    late: Callable[[int], Exception],
+    failed: Callable[[int, Exception], Exception] | None = None,
+) -> list[Any]:
+    """The results of ``ars`` (one task per rank of ``ranks``), all within ``timeout`` seconds
+    together: a rank that is late is ``late(rank)`` raised, one whose task failed
+    ``failed(rank, error)`` (or the error itself)."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for rank, ar in zip(ranks, ars, strict=True):
+        try:
+            out.append(ar.get(max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            raise late(rank) from None
+        except Exception as e:
+            if failed is None:
+                raise
+            raise failed(rank, e) from None
+    return out

@@ -12,8 +12,10 @@ script trains exactly as the session did: run it with ``torchrun`` (PyTorch) or 
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import pickle
+import tempfile
 import textwrap
 import time
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbdist.errors import ExportError
 from nbdist.kernel.checks import calls
 
 
@@ -38,10 +41,8 @@ class CellRecord:
     fresh: bool = False
     on: tuple[int, ...] | None = None
     kind: str = "cell"  # or "push": a %distrain push between cells (source empty)
-
-
-class ExportError(ValueError):
-    """The session cannot be written as one script (the message says why and what to do)."""
+    # The machines the ranks ran on, in rank order: (hostname, address, interface, workers).
+    nodes: tuple[tuple[str, str, str | None, int], ...] = ()
 
 
 _LOG = '''
@@ -81,23 +82,19 @@ _TORCH_SETUP = """
 import os
 import sys
 
-# As nbdist did: each process sees only its own GPU, as cuda:0 (before torch starts CUDA), so
-# a cell written for nbdist ("cuda:0", device_ids=[0]) puts every rank on its own GPU.
-local_rank = int(os.environ["LOCAL_RANK"])
-local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-_gpus = _gpus.split(",") if _gpus else [str(i) for i in range(local_world_size)]
-os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[local_rank] if local_rank < len(_gpus) else ""
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
 # init_process_group("...") with no init_method reads them (the env:// rendezvous).
-if torch.cuda.is_available():
-    torch.cuda.set_device(0)  # this process's own GPU
-    device = torch.device("cuda", 0)
+local_rank = int(os.environ["LOCAL_RANK"])
+local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+# As nbdist did: each process uses the GPU of its local rank; with fewer GPUs than processes on
+# a machine, every process uses the CPU (with nccl each needs a GPU of its own).
+if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
     backend = "nccl"
 else:
     device = torch.device("cpu")
@@ -199,13 +196,63 @@ import stat
 import sys
 
 # The notebook variables the cells were given with --push, saved next to this script. A pickle
-# runs code when loaded: refuse one that another user could have changed.
+# runs code when loaded: load only one this user owns and nobody else can write, opened once
+# (never through a symbolic link) and checked on the open file.
 _push_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r})
-if os.stat(_push_path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-    sys.exit(f"{{_push_path}} is writable by other users; check it, chmod 600 it, run again")
-with open(_push_path, "rb") as _f:
+try:
+    _fd = os.open(_push_path, os.O_RDONLY | os.O_NOFOLLOW)
+except OSError as _e:
+    sys.exit(f"cannot open {{_push_path}} ({{_e}}): it must be a file of yours, not a link")
+with os.fdopen(_fd, "rb") as _f:
+    _st = os.fstat(_f.fileno())
+    if not stat.S_ISREG(_st.st_mode) or _st.st_uid != os.getuid():
+        sys.exit(f"{{_push_path}} belongs to uid {{_st.st_uid}}, not to you: it could run "
+                 "anything when loaded. Export the session again into a folder of your own.")
+    if _st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        sys.exit(f"{{_push_path}} is writable by other users; check it, chmod 600 it, run again")
     _pushed = pickle.load(_f)
 """
+
+
+_TORCH_INTERFACES = """
+# The interface each machine reached the others on in the session, by its hostname: gloo's own
+# guess (the address the hostname resolves to) fails where names do not resolve, or picks
+# 127.0.1.1. GLOO_SOCKET_IFNAME set before the run wins.
+import socket
+
+_INTERFACES = {table}
+if socket.gethostname() in _INTERFACES:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _INTERFACES[socket.gethostname()])
+"""
+
+
+def _interface_table(nodes: Sequence[tuple[str, str, str | None, int]]) -> str:
+    return repr({host: iface for host, _, iface, _ in nodes if iface})
+
+
+def multi_node_commands(nodes: Sequence[tuple[str, str, str | None, int]], script: str) -> str:
+    """The header's part for a session that ran on several machines: the torchrun command
+    for each, with the rendezvous on rank 0's machine and its address (no name to resolve)."""
+    _, master, _, _ = nodes[0]
+    per_node = {workers for *_, workers in nodes}
+    lines = [
+        f"It ran on {len(nodes)} machines. Start it on each, the same rendezvous on rank 0's "
+        "machine (a static one: the same ranks on the same machines as in the session):",
+        "",
+    ]
+    for i, (host, address, iface, workers) in enumerate(nodes):
+        env = f"GLOO_SOCKET_IFNAME={iface} " if iface else ""
+        lines.append(f"    # on {host} ({address})")
+        lines.append(
+            f"    {env}torchrun --nnodes {len(nodes)} --nproc_per_node {workers} --node_rank {i} "
+            f"--master_addr {master} --master_port 29400 {script}"
+        )
+    if len(per_node) > 1:
+        lines.append(
+            "\n(torchrun starts the same number of processes on every machine: these ran "
+            f"{' and '.join(str(w) for *_, w in nodes)}; make them equal.)"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _calls_log(tree: ast.AST) -> bool:
@@ -265,7 +312,7 @@ def export_script(
     data = path.with_name(path.stem + "_push.pkl")
     pushes = {i: c.push for i, c in enumerate(cells) if c.push}
     targets = [path, data] if pushes else [path]
-    existing = [str(t) for t in targets if t.exists()]
+    existing = [str(t) for t in targets if os.path.lexists(t)]  # a dangling link counts
     if existing and not force:
         raise ExportError(
             f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; choose "
@@ -282,6 +329,8 @@ def export_script(
     if last.framework == "torch":
         run = f"torchrun --nproc_per_node {n} {path.name}"
         parts = [_TORCH_SETUP]
+        if len(last.nodes) > 1:
+            parts.append(_TORCH_INTERFACES.format(table=_interface_table(last.nodes)))
         if "init_process_group" in used:
             parts.append(_TORCH_OWN_INIT)
         else:
@@ -291,6 +340,8 @@ def export_script(
         if any(c.autolog for c in ran) and not explicit_log:
             parts.append(_TORCH_AUTOLOG)
         how = f"Run it with:\n\n    {run}\n"
+        if len(last.nodes) > 1:
+            how = multi_node_commands(last.nodes, path.name)
     else:
         if last.strategy == "mirrored":
             parts = [_TF_MIRRORED, _LOG]
@@ -309,12 +360,7 @@ def export_script(
                 + "\n"
             )
     if pushes:
-        if data.exists():
-            data.unlink()
-        # O_EXCL: a file (or link) planted under this name between the check and here fails.
-        fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(pushes, f)
+        write_new(data, pickle.dumps(pushes), mode=0o600, replace=force)
         written.append(data)
         parts.insert(0, _PUSH.format(name=data.name))  # checked before anything else runs
     header = (
@@ -334,7 +380,33 @@ def export_script(
     )
     if last.framework == "torch" and "destroy_process_group" not in used:
         script += "\n# --- after the cells " + "-" * 72 + "\n" + _TORCH_TEARDOWN
-    if path.exists():
-        path.unlink()
-    path.write_text(script)
+    write_new(path, script.encode(), mode=0o644, replace=force)
     return written
+
+
+def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
+    """Create ``path`` with ``data``, never through a symbolic link; an existing file (or
+    link) is an ExportError unless ``replace``, and then replaced in one step: a new file
+    beside it, renamed over it (a link someone planted there is replaced, its target left
+    alone)."""
+    if not replace:
+        try:
+            # O_EXCL: whatever is there, even a dangling link, fails instead of being written.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        except FileExistsError:
+            raise ExportError(
+                f"{path} already exists; choose another name or add --force to replace it"
+            ) from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

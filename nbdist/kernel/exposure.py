@@ -20,20 +20,16 @@ from nbdist.kernel.netns import host_network_asked
 
 
 def _opens_servers(framework: str, options: Mapping[str, Any]) -> bool:
-    return framework == "tf" and options.get("strategy") != "mirrored"
+    from nbdist.engine import backends
+
+    return bool(backends.load(framework).opens_servers(options))
 
 
 def tf_exposure(cluster: Any, framework: str, options: Mapping[str, Any]) -> str | None:
     """Who could reach this job's TensorFlow servers, or None when nobody outside the workers."""
     if not _opens_servers(framework, options):
         return None
-    if cluster.owned:
-        network = cluster.network
-        if network is None or network.private:
-            return None
-        return f"anyone who can reach this machine ({network.reason})"
-    hosts = sorted({e.address for e in cluster.engines})
-    return f"anyone who can reach the engines' hosts ({', '.join(hosts)}) on {cluster.source}"
+    return cluster.tf_exposure()
 
 
 def _refusal(who: str) -> UsageError:
@@ -64,18 +60,19 @@ def check_tf_exposure(
     *,
     allowed: bool,
     notify: Callable[[str], None],
-) -> None:
-    """Refuse an exposed multi-worker TensorFlow job unless ``allowed``; tell once when it is."""
+    told: bool = False,
+) -> bool:
+    """Refuse an exposed multi-worker TensorFlow job unless ``allowed``; tell once (``told``:
+    said already for these workers) when it is. Returns whether it has been told."""
     who = tf_exposure(cluster, framework, options)
     if who is None:
-        return
+        return told
     if not allowed:
         raise _refusal(who)
-    if cluster.exposure_told:
-        return
-    cluster.exposure_told = True
-    notify(
-        "nbdist: --expose-tf: each TensorFlow worker's gRPC server listens on every interface "
-        f"of its host, with no authentication; {who} can run code in your workers while "
-        "the engines run."
-    )
+    if not told:
+        notify(
+            "nbdist: --expose-tf: each TensorFlow worker's gRPC server listens on every "
+            f"interface of its host, with no authentication; {who} can run code in your workers "
+            "while the engines run."
+        )
+    return True

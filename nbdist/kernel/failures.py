@@ -1,113 +1,35 @@
-"""What happens when a rank fails: the session's state afterwards, and the one error to show.
+"""The words of a failed cell: the one error to show, and the line that ends it.
 
-The workers keep their variables from cell to cell, so a failed cell must leave either a
-session that still works, or a clean one, with the user told which:
-
-* **kept** — the ranks that failed raised on their own (a typo, a shape error), the others
-  finished, no rank had to be freed or stopped, and a check that cannot hang
-  (:func:`nbdist.engine.worker.check_group`: a barrier with a ``HEALTH_TIMEOUT_S`` timeout)
-  passes on every rank. As in a Python REPL, the variables stay.
-* **dropped** — anything that may have broken the group: one rank raised while others waited
-  in a collective, an interrupt, ``--timeout``, a stall, a failed check. Every rank drops its
-  variables and its part of the group (the variables first: destroying a gloo group under a
-  live DDP model can deadlock); the next cell makes a new rendezvous. The error ends with the
-  names of the variables dropped.
-* **replaced** — a rank was killed or died, or SIGINT interrupted a framework that cannot go
-  on after it (TensorFlow: ``SURVIVES_INTERRUPT``): the engines were replaced, and their
-  variables went with them.
+:mod:`nbdist.kernel.cell` decides what a failed cell leaves of the session (kept, dropped,
+replaced); this module says it: which error (``WorkerError``, ``WorkerDied``, ``JobStalled``,
+``RanksDisagree``, ...) and its message from the job's outcome and stall record, the last line
+naming the variables lost (``state_line``), a note when the workers' private network explains
+the failure, and what to do about ranks a connected cluster left running.
 """
 
 from __future__ import annotations
 
-import time
+import re
+from collections.abc import Sequence
 from typing import Any
 
-from nbdist.engine import backends, worker
+from nbdist.engine import backends
 from nbdist.errors import (
     DistrainError,
     JobInterrupted,
     JobStalled,
     JobTimeout,
+    RankFailure,
     RanksDisagree,
     WorkerDied,
     WorkerError,
     lost_peer,
 )
-from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.job import Outcome
-
-HEALTH_TIMEOUT_S = 2.0
-HEALTH_WAIT_S = HEALTH_TIMEOUT_S + 3.0  # the check itself, plus the round trip
-DROP_WAIT_S = 15.0
-
-
-def settle(cluster: LocalCluster, outcome: Outcome, framework: str) -> tuple[str, list[str]]:
-    """Bring the session to a known state after ``outcome``: ``("ok" | "kept" | "dropped" |
-    "replaced", names of the variables dropped)``."""
-    watch = outcome.watch
-    if outcome.replaced:
-        return "replaced", []
-    interrupted = watch.interrupted or any(
-        f.exc_type == "KeyboardInterrupt" for f in outcome.failures
-    )
-    if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
-        why = "an interrupt stopped TensorFlow, which cannot go on after one"
-        cluster.replace_engines(why=why)
-        return "replaced", []
-    if watch.reason is None and not outcome.failures:
-        return "ok", []
-    # The ranks that raised did so on their own and no rank had to be freed or stopped: the group
-    # may still work; a barrier over the whole group (--on's left-out ranks too) says whether.
-    own_errors = (
-        watch.reason in (None, "failure")
-        and not outcome.stopped
-        and not outcome.released
-        and not any(lost_peer(f) or f.exc_type == "KeyboardInterrupt" for f in outcome.failures)
-    )
-    if own_errors and _group_works(cluster, framework, list(range(outcome.world))):
-        return "kept", []
-    everyone = [r for r in range(cluster.size) if r not in outcome.released]
-    return "dropped", drop(cluster, framework, everyone, already=outcome.dropped)
-
-
-def _group_works(cluster: LocalCluster, framework: str, ranks: list[int]) -> bool:
-    ars = [
-        cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
-        for r in ranks
-    ]
-    deadline = time.monotonic() + HEALTH_WAIT_S
-    verdicts = []
-    for ar in ars:
-        try:
-            verdicts.append(ar.get(max(0.0, deadline - time.monotonic())))
-        except Exception as e:  # timed out or failed: the group cannot be trusted
-            verdicts.append(f"{type(e).__name__}: {e}")
-    return all(v is None for v in verdicts)
-
-
-def drop(
-    cluster: LocalCluster, framework: str, ranks: list[int], *, already: set[str] | None = None
-) -> list[str]:
-    """Every rank in ``ranks`` drops its variables and its part of the group; returns the
-    names dropped (with ``already``, those dropped earlier in the same job). A rank that does
-    not confirm in time gets the engines replaced: the next cell must start clean."""
-    # First, so that an interrupt during the waits below cannot leave the next cell on this
-    # rendezvous: some ranks may have destroyed their part of it already.
-    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
-        cluster.rendezvous.pop(framework, None)
-    names = set(already or ())
-    ars = {r: cluster.apply_async(r, worker.drop_session, framework) for r in ranks}
-    deadline = time.monotonic() + DROP_WAIT_S
-    stuck = []
-    for r, ar in ars.items():
-        try:
-            names.update(ar.get(max(0.0, deadline - time.monotonic())))
-        except Exception:
-            stuck.append(r)
-    if stuck:
-        why = f"rank {stuck[0]} could not leave its process group cleanly"
-        cluster.replace_engines(why=why)
-    return sorted(names)
+from nbdist.kernel.netns import resolver_reachable
+from nbdist.protocol import Reason, Stall, Waiting
+from nbdist.ranks import spans
 
 
 def state_line(state: str, names: list[str], *, connected_stale: str | None = None) -> str:
@@ -140,7 +62,20 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
     return ""
 
 
-def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
+def still_running(engines: Sequence[Any]) -> str:
+    """What to do about ranks of a connected cluster that ignored the interrupt and the
+    collective timeout: nbdist does not kill engines it did not start."""
+    where = ", ".join(f"rank {e.rank} (host {e.host}, pid {e.pid})" for e in engines)
+    return (
+        f"{where} still {'runs' if len(engines) == 1 else 'run'} the cell: nbdist does not kill "
+        f"engines it did not start, and {'its' if len(engines) == 1 else 'their'} next cell "
+        "waits for this one. Stop "
+        f"{'it' if len(engines) == 1 else 'them'} on the host (kill -INT PID, kill PID), or "
+        "restart the engines with the launcher that started them."
+    )
+
+
+def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | None:
     """The one error that says what went wrong, or None when the job succeeded."""
     watch = outcome.watch
     job_ranks = outcome.ranks
@@ -151,94 +86,157 @@ def error_for(outcome: Outcome, opts: Any) -> DistrainError | None:
             f"rank {job_ranks[p]} (host {outcome.hosts_pids[p][0]}, pid {outcome.hosts_pids[p][1]})"
             for p in watch.dead
         )
-        if watch.reason == "interrupt":  # the process exited on the interrupt itself
+        hosts = sorted({outcome.hosts_pids[p][0] for p in watch.dead})
+        lost = cluster.describe_lost(where, len(watch.dead), hosts)
+        if lost is not None and watch.reason != Reason.INTERRUPT:
+            return WorkerDied(lost)
+        how = "; ".join(
+            f"rank {job_ranks[p]} {outcome.exits[p]}" for p in watch.dead if outcome.exits.get(p)
+        )
+        if watch.reason == Reason.INTERRUPT:  # the process exited on the interrupt itself
             return JobInterrupted(
                 f"interrupted (Stop button or Kernel > Interrupt); stopped ranks "
                 f"{', '.join(map(str, job_ranks))}; {where} exited on the interrupt"
             )
-        return WorkerDied(f"{where} died during the job")
-    if watch.reason == "stalled":
+        return WorkerDied(f"{where} died during the job" + (f": {how}" if how else ""))
+    if watch.reason == Reason.STALLED and watch.stalled is not None:
         if opts.on is None and disagreement(watch.stalled):
             return RanksDisagree(disagree_message(watch.stalled, opts.stall, outcome))
         return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on))
     if (
-        watch.reason in (None, "failure")  # None: the last rank to end was the one that failed
+        watch.reason in (None, Reason.FAILURE)  # None: the last rank to end was the one that failed
         and opts.on is None
-        and watch.stalled.get("finished")
+        and watch.stalled is not None
+        and watch.stalled.finished
         and outcome.failures
         and all(lost_peer(f) for f in outcome.failures)
     ):  # the only errors are collectives that timed out waiting for ranks that had finished
         return RanksDisagree(disagree_message(watch.stalled, None, outcome))
     if outcome.failures:  # a KeyboardInterrupt here came from the cell itself, not from nbdist
         return WorkerError(outcome.failures, stopped=stopped)
-    if watch.reason == "timeout":
+    if watch.reason == Reason.TIMEOUT:
         return JobTimeout(
-            f"the job ran past --timeout {opts.timeout:g} s; stopped ranks {named}. "
-            "Raise --timeout or make the cell shorter."
+            f"the job ran past --timeout {opts.timeout:g} s"
+            + (f"; stopped ranks {named}" if stopped or not watch.abandoned else "")
+            + ". Raise --timeout or make the cell shorter."
         )
-    if watch.reason == "interrupt":
-        return JobInterrupted(
-            f"interrupted (Stop button or Kernel > Interrupt); stopped ranks {named}."
-        )
+    if watch.reason == Reason.INTERRUPT:
+        text = f"interrupted (Stop button or Kernel > Interrupt); stopped ranks {named}."
+        if outcome.no_boundary:
+            text += (
+                f" Asked to stop at a step boundary, rank{_s(outcome.no_boundary)} "
+                f"{spans(outcome.no_boundary)} reached none within {outcome.stop_wait:g} s (a loop "
+                "with no optimizer.step() or log() call, a rank blocked in a data loader or a "
+                "collective), so the ranks were interrupted."
+            )
+        return JobInterrupted(text)
     return None
 
 
-def _waits_in(where: dict[str, Any] | None) -> str:
+def graceful_stop(stopped_at: dict[int, int]) -> JobInterrupted:
+    """The cell a graceful stop ended: at which step, and that the session goes on."""
+    steps = sorted(set(stopped_at.values()))
+    if len(steps) == 1:
+        where = f"every rank stopped after step {steps[0]} of this cell"
+    else:  # no collective in each step kept the ranks together
+        where = (
+            "the ranks stopped at different steps ("
+            + ", ".join(f"rank {r}: {s}" for r, s in sorted(stopped_at.items()))
+            + "): the loop has no collective in every step to keep them together"
+        )
+    error = JobInterrupted(f"stopped (Stop button or Kernel > Interrupt): {where}.")
+    error.state = (
+        "The workers' variables are kept and the process group stays: the next cell continues "
+        "from there (%distrain compare model checks the replicas)."
+    )
+    return error
+
+
+def _s(items: Sequence[Any]) -> str:
+    return "s" if len(items) > 1 else ""
+
+
+# A rank's error that says the network is not there: a name that does not resolve, no route.
+_NO_NETWORK = re.compile(
+    r"gaierror|name resolution|Name or service not known|nodename nor servname|"
+    r"Network is unreachable|No route to host",
+    re.IGNORECASE,
+)
+
+
+def network_note(failures: list[RankFailure], network: Any) -> str | None:
+    """A line for a failure that the workers' private network explains (a download in a
+    cell), or None: what the workers can reach, and what to do."""
+    if network is None or not network.private:
+        return None
+    said = [f"{f.exc_type}: {f.message}\n{f.traceback}" for f in failures if not f.collateral]
+    if not any(_NO_NETWORK.search(text) for text in said):
+        return None
+    if network.outbound is None:
+        reach = "a network of their own with no way out"
+    elif not resolver_reachable():
+        reach = (
+            "a network of their own whose outbound link cannot reach this machine's resolver "
+            "(it listens on the machine's own loopback: /etc/resolv.conf)"
+        )
+    else:
+        reach = "a network of their own with outbound connections only (slirp4netns)"
+    return (
+        f"The workers run in {reach}: download in a notebook cell (the workers see the "
+        "notebook's files), or restart them on this machine's network: %distrain restart "
+        "--network host."
+    )
+
+
+def _waits_in(where: Waiting | None) -> str:
     """`` in <collective> (cell line N: <text>)`` as far as the rank told where it waits."""
-    if not where:
+    if where is None:
         return ""
-    what = f" in {where['collective']}" if where.get("collective") else ""
-    return f"{what} (cell line {where['line']}: {where['line_text']})"
+    what = f" in {where.collective}" if where.collective else ""
+    return f"{what} (cell line {where.line}: {where.line_text})"
 
 
-def _collectives(stalled: dict[str, Any]) -> dict[int, str]:
+def _collectives(stalled: Stall) -> dict[int, str]:
     return {
-        r: w["collective"]
-        for r, w in stalled.get("where", {}).items()
-        if w and w.get("collective") and r in stalled["ranks"]
+        r: w.collective
+        for r, w in stalled.where.items()
+        if w is not None and w.collective and r in stalled.ranks
     }
 
 
-def disagreement(stalled: dict[str, Any]) -> bool:
+def disagreement(stalled: Stall) -> bool:
     """Whether a stall is ranks that disagree: some finished the cell while others wait, or
     the waiting ranks sit in different collectives."""
-    return bool(stalled.get("finished")) or len(set(_collectives(stalled).values())) > 1
+    return bool(stalled.finished) or len(set(_collectives(stalled).values())) > 1
 
 
-_SAME_STEPS = {
-    "torch": "give every rank the same number of batches (DistributedSampler pads; "
-    "drop_last=True), or wrap the loop in torch.distributed.algorithms.Join",
-    "tf": "give every worker the same number of steps (the same steps_per_epoch, a dataset "
-    "each worker reads the same number of batches from)",
-}
-
-
-def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outcome) -> str:
+def disagree_message(stalled: Stall, limit: float | None, outcome: Outcome) -> str:
     """Which ranks finished (after how many steps) or where each waits, and the fix; ``limit``
     is the ``--stall`` that caught it, None when the waiting ranks' collectives timed out."""
-    steps, where = stalled["steps"], stalled.get("where", {})
-    waiting = [r for r in outcome.ranks if r not in stalled.get("finished", [])]
+    steps, where = stalled.steps, stalled.where
+    waiting = [r for r in outcome.ranks if r not in stalled.finished]
 
     def at(rank: int) -> str:
         step = "before its first step" if steps.get(rank) is None else f"at step {steps[rank]}"
         return f"rank {rank} waits {step}{_waits_in(where.get(rank))}"
 
     freed = [r for r in waiting if r not in outcome.stopped]
+    backend = backends.load(stalled.framework)
     if outcome.replaced:
         tail = (
             f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} could not be "
             "freed and had to be killed."
         )
-    elif freed and stalled.get("framework") == "tf" and outcome.watch.interrupted:
+    elif freed and not backend.SURVIVES_INTERRUPT and outcome.watch.interrupted:
         tail = (
             f"nbdist interrupted rank{'s' if len(freed) > 1 else ''} "
-            f"{', '.join(map(str, freed))}; TensorFlow cannot go on after an interrupt, so the "
-            "engines were replaced."
+            f"{', '.join(map(str, freed))}; {backend.TITLE} cannot go on after an interrupt, so "
+            "the engines were replaced."
         )
-    elif freed and stalled.get("framework") == "tf":
-        # TensorFlow's collectives notice a peer that left only at their timeout.
+    elif freed and not backend.RELEASE_FREES_PEERS:
+        # Its collectives notice a peer that left only at their timeout.
         tail = (
-            f"TensorFlow's collective timeout ({stalled.get('release_s', 0):g} s) freed "
+            f"{backend.TITLE}'s collective timeout ({stalled.release_s:g} s) freed "
             f"rank{'s' if len(freed) > 1 else ''} {', '.join(map(str, freed))}: the engines are "
             "the same."
         )
@@ -249,14 +247,14 @@ def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outc
         )
     else:
         tail = f"Stopped ranks {', '.join(map(str, outcome.stopped))}."
-    if stalled.get("finished"):
+    if stalled.finished:
         done = ", ".join(
             f"rank {r} finished the cell"
             + ("" if steps.get(r) is None else f" after {steps[r] + 1} steps")
-            for r in stalled["finished"]
+            for r in stalled.finished
         )
-        fix = _SAME_STEPS.get(stalled.get("framework"), _SAME_STEPS["torch"])
-        gone = stalled["finished"]
+        fix = backend.SAME_STEPS
+        gone = stalled.finished
         lead = "" if limit is None else f"no progress for {limit:g} s: "
         return (
             f"{lead}{done}, while {'; '.join(map(at, waiting))}: a "
@@ -272,7 +270,7 @@ def disagree_message(stalled: dict[str, Any], limit: float | None, outcome: Outc
 
 
 def stall_message(
-    stalled: dict[str, Any],
+    stalled: Stall,
     limit: float,
     stopped: list[int],
     job_ranks: list[int],
@@ -280,19 +278,19 @@ def stall_message(
     on: tuple[int, ...] | None = None,
 ) -> str:
     """Names the stalled ranks that are furthest behind as stuck; the others as waiting."""
-    steps = stalled["steps"]
+    steps = stalled.steps
     who = ", ".join(map(str, stopped or job_ranks))
     if on is not None:
-        waiting = ", ".join(map(str, stalled["ranks"]))
+        waiting = ", ".join(map(str, stalled.ranks))
         return (
-            f"no progress for {limit:g} s: rank{'s' if len(stalled['ranks']) > 1 else ''} "
-            f"{waiting} wait{'' if len(stalled['ranks']) > 1 else 's'} in a collective that "
+            f"no progress for {limit:g} s: rank{'s' if len(stalled.ranks) > 1 else ''} "
+            f"{waiting} wait{'' if len(stalled.ranks) > 1 else 's'} in a collective that "
             f"needs every rank, but --on ran only ranks {', '.join(map(str, on))}. Run "
             "collectives (DDP training, all_reduce, barrier) without --on; use --on for "
             "inspecting or plotting on some ranks."
         )
-    if stalled.get("all_idle"):
-        ranks = ", ".join(map(str, stalled["ranks"]))
+    if stalled.all_idle:
+        ranks = ", ".join(map(str, stalled.ranks))
         return (
             f"no progress for {limit:g} s and every rank sits idle (ranks {ranks}, no CPU use, "
             "none past its first step): they are waiting on each other, e.g. a collective that "
@@ -307,16 +305,16 @@ def stall_message(
     def key(rank: int) -> int:
         return -1 if steps.get(rank) is None else steps[rank]
 
-    behind = min(key(r) for r in stalled["ranks"])
-    stuck = [r for r in stalled["ranks"] if key(r) == behind]
-    where = stalled.get("where", {})
+    behind = min(key(r) for r in stalled.ranks)
+    stuck = [r for r in stalled.ranks if key(r) == behind]
+    where = stalled.where
     # At the same step, a rank in a collective waits for one that is not.
-    waiting = [r for r in stuck if (where.get(r) or {}).get("collective")]
+    waiting = [r for r in stuck if (where.get(r) is not None and where[r].collective)]
     if waiting and len(waiting) < len(stuck):
         stuck = [r for r in stuck if r not in waiting]
     parts = [
         f"rank {r} is stuck {at(r)}{_waits_in(where.get(r))} (no progress for "
-        f"{stalled['idle'][r]:.0f} s)"
+        f"{stalled.idle[r]:.0f} s)"
         for r in stuck
     ]
     parts += [

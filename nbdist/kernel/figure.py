@@ -1,14 +1,16 @@
 """The figure of a run: loss vs step (mean over ranks, min–max band, the session's earlier cells
-fainter) and samples/s (total and per rank; beyond ``PER_RANK_MAX`` ranks, the ranks' mean with
+fainter) and samples/s (total and per rank; beyond ``MANY_RANKS`` ranks, the ranks' mean with
 a min–max band, the total in the title). matplotlib is imported when one is made."""
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 from collections.abc import Sequence
 
-from nbdist.kernel.curves import LOG_DECADES, PER_RANK_MAX, TOO_SHORT, Aggregate, Segment
+from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
+from nbdist.ranks import MANY_RANKS
 
 MAX_POINTS = 2000
 FIGURE_TEXT = "<nbdist figure: loss and throughput>"
@@ -16,6 +18,16 @@ LOSS_TITLE = "loss (mean over ranks, min–max band)"
 EARLIER = "; pale: earlier cells"
 RATE_TITLE = "throughput (samples/s)"
 BAND_TITLE = "samples/s per rank (mean, min–max band)"
+
+
+def png_data(png: bytes | bytearray | memoryview) -> str:
+    """PNG bytes as a display bundle carries them: base64 text, as nbformat stores them.
+
+    The live image widget may hand its value back as a ``memoryview``: put in a bundle as it is,
+    it was sent as a JSON list of numbers, a broken image in JupyterLab and a notebook that
+    fails validation when saved.
+    """
+    return base64.b64encode(bytes(png)).decode("ascii")
 
 
 def downsample(xs: Sequence[float], max_points: int = MAX_POINTS) -> list[int]:
@@ -67,7 +79,7 @@ class Figure:
         self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
         # Titles at a fixed height: placed automatically, they cost a layout pass (~15 ms) a draw.
         self.world = world
-        self.banded = world > PER_RANK_MAX
+        self.banded = world > MANY_RANKS
         self.ax_rate.set_title(BAND_TITLE if self.banded else RATE_TITLE, y=1.0, fontsize=10)
         self.ax_loss.set_xlabel("step")
         self.ax_rate.set_xlabel("seconds")

@@ -36,14 +36,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import backends, worker
-from nbdist.engine.spec import RankReport, RankSpec
-from nbdist.engine.waiting import WHERE_KEY
 from nbdist.errors import RankFailure
-from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
+from nbdist.kernel.engines import exit_text
 from nbdist.kernel.metrics import MetricsStream, Rounds
 from nbdist.kernel.relay import OutputRelay
 from nbdist.kernel.watch import IDLE_CPU_SHARE, Watch
+from nbdist.protocol import (
+    STOPPING_KEY,
+    WHERE_KEY,
+    RankReport,
+    RankSpec,
+    RankState,
+    Reason,
+    RunMeta,
+    Stall,
+    Waiting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +72,11 @@ CPU_SAMPLE_EVERY_S = 1.0
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 LAST_OUTPUT_WAIT_S = 2.0  # ... and the last lines a rank printed
 RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
+# A graceful stop (nbdist.engine.stopping) that has not ended every rank this long after the
+# interrupt falls back to the interrupt: a rank reached no step boundary meanwhile. Ranks whose
+# steps are slower get three of their steps (the agreement takes two), up to the maximum.
+GRACEFUL_WAIT_S = 3.0
+GRACEFUL_WAIT_MAX_S = 30.0
 
 
 @dataclass
@@ -77,11 +92,17 @@ class Outcome:
     failures: list[RankFailure]
     stopped: list[int]  # positions that had to be stopped
     history: list[dict[str, Any]]
-    meta: dict[str, Any]
+    meta: RunMeta
     released: set[int] = field(default_factory=set)  # session ranks that dropped their group
     dropped: set[str] = field(default_factory=set)  # variables those ranks dropped
+    lost: list[int] = field(default_factory=list)  # positions that died or were killed
     replaced: bool = False  # the engines were replaced (a rank was killed or died)
+    shrunk: bool = False  # a connected cluster went on without the engines it lost
     hosts_pids: dict[int, tuple[str, int]] = field(default_factory=dict)  # dead/killed positions
+    exits: dict[int, str] = field(default_factory=dict)  # how each dead position's engine ended
+    stop_asked: bool = False  # a graceful stop was asked for
+    no_boundary: list[int] = field(default_factory=list)  # session ranks it did not stop in time
+    stop_wait: float = GRACEFUL_WAIT_S  # how long the graceful stop was given
 
 
 class Job:
@@ -89,7 +110,7 @@ class Job:
 
     def __init__(
         self,
-        cluster: LocalCluster,
+        cluster: Cluster,
         specs: Sequence[RankSpec],
         *,
         opts: Any,
@@ -98,6 +119,7 @@ class Job:
         err: Any,
         world: int,
         left_out: Sequence[RankSpec] = (),
+        display: Any = None,
     ) -> None:
         self.cluster = cluster
         self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
@@ -108,28 +130,41 @@ class Job:
         self.world = world  # ranks in the group: --on runs a job on some of them
         self.framework = specs[0].framework
         noise = getattr(backends.load(self.framework), "OUTPUT_NOISE", None)
-        self.outputs = OutputRelay.for_job(self.ranks, opts, out, err, noise=noise)
+        self.outputs = OutputRelay.for_job(self.ranks, opts, out, err, noise=noise, display=display)
         self.stream = MetricsStream(len(specs))
         self.rounds = Rounds(len(specs), PUMP_EVERY_S)
         self.watch = Watch()
+        self._joining: list[Any] = []
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
         self.ars: list[Any] = []
         self._release_s = 0.0
+        self._collective_s = 0.0
+        self._graceful = False  # the backend can stop its ranks at a step boundary
+        self._stop_asked: float | None = None  # when a graceful stop was asked for
+        self._no_boundary: list[int] = []
+        self._stop_step: int | None = None  # the step the ranks agreed to stop after
+        self._stop_wait = GRACEFUL_WAIT_S  # how long the graceful stop may take
 
-    def run(self) -> Outcome:
+    def watch_until_done(self) -> Outcome:
+        """Submit every rank's task and watch them until each is done (or stopped); the
+        ranks that died or had to be killed are in the outcome's ``lost``."""
         start = time.monotonic()
         # An --on cell: the ranks it leaves out still take part in setting up the group (a
         # first init_process_group, or a new strategy, needs every rank).
-        joining = [self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out]
+        self._joining = [
+            self.cluster.apply_async(s.rank, worker.join_group, s) for s in self.left_out
+        ]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         self.ars = ars
         backend = backends.load(self.framework)
         release = backend.peer_release_s(self.specs[0].options)
         self._release_s = release
+        self._collective_s = backend.collective_timeout(self.specs[0].options)
         self._frees_peers = backend.RELEASE_FREES_PEERS
+        self._graceful = backend.GRACEFUL_STOP
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
@@ -148,25 +183,26 @@ class Job:
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
             ranks=self.ranks, world=self.world, ars=ars, watch=watch, wall=wall, reports={},
-            failures=[], stopped=[], history=[], meta={},
+            failures=[], stopped=[], history=[], meta=RunMeta(),
         )  # fmt: skip
-        lost = sorted(set(watch.killed) | set(watch.dead))
-        if lost:
-            outcome.hosts_pids = {
-                p: (
-                    self.cluster.engines[self.ranks[p]].host,
-                    self.cluster.engines[self.ranks[p]].pid,
-                )
-                for p in lost
-            }
-            names = ", ".join(str(self.ranks[p]) for p in lost)
-            why = f"{'rank' if len(lost) == 1 else 'ranks'} {names} had to be killed or died"
-            self.cluster.replace_engines(why=why)
-            outcome.replaced = True
-        else:
+        outcome.lost = sorted(set(watch.killed) | set(watch.dead))
+        outcome.stop_asked = self._stop_asked is not None
+        outcome.no_boundary = self._no_boundary
+        outcome.stop_wait = self._stop_wait
+        for p in outcome.lost:
+            engine = self.cluster.engines[self.ranks[p]]
+            outcome.hosts_pids[p] = (engine.host, engine.pid)
+            outcome.exits[p] = exit_text(self.cluster.exit_status(self.ranks[p]))
+        return outcome
+
+    def finish(self, outcome: Outcome) -> None:
+        """After the watch (and the engines lost replaced, if any): which ranks let go of the
+        group, every rank's report, the last metrics."""
+        watch, ars = outcome.watch, outcome.ars
+        if not outcome.lost:
             self._confirm_released(outcome)
         deadline = time.monotonic() + RELEASED_WAIT_S
-        for ar in joining:  # quick: setting up a group the ranks that run the cell joined
+        for ar in self._joining:  # quick: setting up a group the ranks that run the cell joined
             try:
                 ar.get(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
@@ -175,7 +211,7 @@ class Job:
         reports = outcome.reports
         expected = [reports[p].messages if p in reports else 0 for p in range(len(ars))]
         drain(self.stream, ars, expected)
-        if watch.reason in (None, "failure") and not watch.stalled:
+        if watch.reason in (None, Reason.FAILURE) and watch.stalled is None:
             # A collective with a timeout (TensorFlow's) fails when its peer finished the cell
             # instead of waiting for it: failures.py tells that apart from a rank's own error.
             failed = [p for p, ar in enumerate(ars) if ar.ready() and _failed(ar)]
@@ -183,7 +219,6 @@ class Job:
                 watch.stalled = self._record(failed, {})
         outcome.history = self.stream.history
         outcome.meta = self.stream.meta[0]
-        return outcome
 
     # -- watching --------------------------------------------------------------------------------
     def _watch(self, ars: list[Any], start: float, release: float) -> None:
@@ -224,13 +259,28 @@ class Job:
                         if stream.pump(pos, ars[pos].data):
                             watch.note_progress(pos, now)
                     history, total = stream.history, stream.total_steps()
-                    live.update(history, states(ars, watch), total_steps=total)
+                    key = stream.meta[0].model
+                    live.update(history, states(ars, watch), total_steps=total, key=key)
+                    if self._stop_asked is not None and self._stop_step is None:
+                        self._stop_step = _agreed_step(ars)
+                        if self._stop_step is not None:
+                            live.stopping(self._stop_step)
                 now = time.monotonic()
+                if (
+                    watch.reason is None
+                    and self._stop_asked is not None
+                    and now - self._stop_asked >= self._stop_wait
+                ):
+                    # No step boundary reached by every rank in time: the interrupt, as before.
+                    self._no_boundary = [self.ranks[p] for p in pending]
+                    watch.reason = Reason.INTERRUPT
+                    watch.since = now - peer_grace
+                    watch.interrupted = False
                 if watch.reason is None:
                     if any(ars[p].ready() and _failed(ars[p]) for p in range(len(ars))):
-                        watch.start("failure", now)
+                        watch.start(Reason.FAILURE, now)
                     elif opts.timeout is not None and now - start > opts.timeout:
-                        watch.start("timeout", now - peer_grace)
+                        watch.start(Reason.TIMEOUT, now - peer_grace)
                     elif watch.stuck(pending, now, opts.stall):
                         # Every rank idle for a good part of the limit is part of the stall: the
                         # one furthest behind is the culprit, the others wait for it. (Their last
@@ -257,7 +307,7 @@ class Job:
                     dead = [p for p in self._dead(pending) if p not in watch.dead]
                     if dead:
                         watch.dead.extend(dead)
-                        watch.start("died", now)
+                        watch.start(Reason.DIED, now)
                 if watch.reason is not None:
                     waited = now - watch.since
                     # The group is broken now: the ranks that are done (or that --on left out)
@@ -274,7 +324,7 @@ class Job:
                         idle
                         and self._frees_peers
                         and (
-                            watch.reason != "failure"
+                            watch.reason != Reason.FAILURE
                             or waited >= peer_grace
                             or self._blocked(pending, now)
                         )
@@ -285,19 +335,42 @@ class Job:
                         self.cluster.interrupt([self.ranks[p] for p in pending])
                     elif watch.interrupted and waited >= peer_grace + kill_grace:
                         alive = [p for p in pending if p not in watch.dead]
-                        self.cluster.kill([self.ranks[p] for p in alive])
-                        watch.killed.extend(alive)
-                        return
+                        if self.cluster.kill([self.ranks[p] for p in alive]):
+                            watch.killed.extend(alive)
+                            return
+                        # Engines that are not nbdist's to kill (a connected cluster's): a rank
+                        # blocked in a collective with one the controller lost is freed by the
+                        # collective timeout; past that, nbdist stops waiting for it.
+                        if waited >= peer_grace + kill_grace + self._collective_s:
+                            watch.abandoned.extend(alive)
+                            return
                     if watch.dead and set(pending) <= set(watch.dead):
                         return
                 ars[pending[0]].wait(POLL_S)  # returns as soon as that rank is done
             except KeyboardInterrupt:
-                if watch.reason == "interrupt":  # a second interrupt: stop waiting, kill now
+                if watch.reason == Reason.INTERRUPT:  # a second interrupt: stop waiting, kill now
                     watch.since = time.monotonic() - peer_grace - kill_grace
-                else:
-                    watch.reason = "interrupt"
+                elif self._stop_asked is None and self._may_stop_gracefully():
+                    self._stop_asked = time.monotonic()
+                    self._stop_wait = graceful_wait(self.stream.history, len(ars))
+                    self.cluster.ask_to_stop([self.ranks[p] for p in range(len(ars))])
+                    live.stopping()
+                else:  # the first interrupt, or a second one while a graceful stop waits
+                    watch.reason = Reason.INTERRUPT
                     watch.since = time.monotonic() - peer_grace
                     watch.interrupted = False
+
+    def _may_stop_gracefully(self) -> bool:
+        """Whether the interrupt can be a graceful stop: the backend has a board, nothing went
+        wrong yet, and every rank is inside the cell (it has sent metrics, so its signal
+        handler is in place and it has a step boundary to reach)."""
+        watch = self.watch
+        return (
+            self._graceful
+            and watch.reason is None
+            and not any(ar.ready() for ar in self.ars)
+            and all(p in watch.progress for p in range(len(self.ars)))
+        )
 
     def _stall(
         self,
@@ -314,30 +387,29 @@ class Job:
         pending collectives; SIGINT follows only after the backend's release time."""
         self.watch.stalled = self._record(pending, idle_for, all_idle=all_idle)
         # With ranks to free (not all of the group is waiting), SIGINT waits for their release.
-        self.watch.start("stalled", now if len(pending) < self.world else now - peer_grace)
+        self.watch.start(Reason.STALLED, now if len(pending) < self.world else now - peer_grace)
 
     def _record(
         self, waiting: list[int], idle_for: dict[int, float], *, all_idle: bool = False
-    ) -> dict[str, Any]:
+    ) -> Stall:
         """Who stalled (``idle_for``), at which step, where the ``waiting`` positions wait,
         and which ranks finished the cell meanwhile."""
-        steps = {self.ranks[p]: s for p, s in enumerate(self.stream.last_step)}
-        return {
-            "ranks": [self.ranks[p] for p in idle_for],
-            "steps": steps,
-            "idle": {self.ranks[p]: seconds for p, seconds in idle_for.items()},
-            "framework": self.framework,
-            "release_s": self._release_s,  # how long a waiting rank takes to notice a lost peer
+        return Stall(
+            ranks=[self.ranks[p] for p in idle_for],
+            steps={self.ranks[p]: s for p, s in enumerate(self.stream.last_step)},
+            idle={self.ranks[p]: seconds for p, seconds in idle_for.items()},
+            framework=self.framework,
+            release_s=self._release_s,
             # Where each waiting rank's cell is (nbdist.engine.waiting), when it said.
-            "where": {self.ranks[p]: _where(self.ars[p]) for p in waiting},
+            where={self.ranks[p]: _where(self.ars[p]) for p in waiting},
             # Ranks that finished the cell while others wait: they ran fewer steps.
-            "finished": [
+            finished=[
                 self.ranks[p]
                 for p, ar in enumerate(self.ars)
                 if p not in waiting and ar.ready() and not _failed(ar)
             ],
-            **({"all_idle": True} if all_idle else {}),
-        }
+            all_idle=all_idle,
+        )
 
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
@@ -365,7 +437,10 @@ class Job:
 
     def _confirm_released(self, outcome: Outcome) -> None:
         deadline = time.monotonic() + RELEASED_WAIT_S
+        still = {self.ranks[p] for p in outcome.watch.abandoned}
         for r, ar in self._release.items():
+            if r in still:  # its drop runs when its cell ends: settle() leaves it queued
+                continue
             try:
                 outcome.dropped.update(ar.get(max(0.0, deadline - time.monotonic())))
                 outcome.released.add(r)
@@ -377,30 +452,59 @@ class Job:
         return [p for p in positions if self.ranks[p] in dead]
 
 
-def states(ars: list[Any], watch: Watch) -> list[str]:
+def states(ars: list[Any], watch: Watch) -> list[RankState]:
     """Each rank's state for the panel."""
     out = []
     for ar in ars:
         if not ar.ready():
-            out.append("stopping" if watch.reason else "running")
+            out.append(RankState.STOPPING if watch.reason else RankState.RUNNING)
         elif _failed(ar):
-            stopped = watch.interrupted and _failure_type(ar) == "KeyboardInterrupt"
-            out.append("stopped" if stopped else "failed")
+            failure = _failure(ar)
+            stopped = watch.interrupted and failure is not None and failure.interrupted
+            out.append(RankState.STOPPED if stopped else RankState.FAILED)
         else:
-            out.append("done")
+            out.append(RankState.DONE)
     return out
 
 
-def _where(ar: Any) -> dict[str, Any] | None:
+def graceful_wait(history: Sequence[dict[str, Any]], positions: int, last: int = 5) -> float:
+    """How long a graceful stop may take: ``GRACEFUL_WAIT_S``, or three steps of the slowest
+    rank when its steps are longer (the mean of its ``last`` intervals between points), at most
+    ``GRACEFUL_WAIT_MAX_S``; rounded to a tenth of a second."""
+    times: list[list[float]] = [[] for _ in range(positions)]
+    for point in reversed(history):
+        kept = times[point["rank"]]
+        if len(kept) <= last:
+            kept.append(point["time"])
+        if all(len(t) > last for t in times):
+            break
+    steps = [(t[0] - t[-1]) / (len(t) - 1) for t in times if len(t) >= 2]
+    slowest = max(steps, default=0.0)
+    return round(min(GRACEFUL_WAIT_MAX_S, max(GRACEFUL_WAIT_S, 3 * slowest)), 1)
+
+
+def _agreed_step(ars: list[Any]) -> int | None:
+    """The step a graceful stop ends after, once a rank has said it agreed on one."""
+    for ar in ars:
+        try:
+            step = ar.data.get(STOPPING_KEY)
+        except Exception:  # the task's metadata could not be read
+            continue
+        if step is not None:
+            return step
+    return None
+
+
+def _where(ar: Any) -> Waiting | None:
     try:
         return ar.data.get(WHERE_KEY)
     except Exception:  # the task's metadata could not be read: where it waits is unknown
         return None
 
 
-def _failure_type(ar: Any) -> str | None:
+def _failure(ar: Any) -> RankFailure | None:
     try:
-        return ar.get(0).failure.exc_type
+        return ar.get(0).failure
     except Exception:
         return None
 
@@ -423,12 +527,12 @@ def drain(stream: MetricsStream, ars: list[Any], expected: list[int]) -> None:
         time.sleep(POLL_S)
 
 
-def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: LocalCluster) -> None:
+def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: Cluster) -> None:
     """Reports of the ranks that finished; failures; ranks that had to be stopped."""
     watch = outcome.watch
     for pos, (spec, ar) in enumerate(zip(specs, outcome.ars, strict=True)):
         if not ar.ready() or pos in watch.dead or pos in watch.killed:
-            if pos not in watch.dead:
+            if pos not in watch.dead and pos not in watch.abandoned:
                 outcome.stopped.append(spec.rank)
             continue
         try:
@@ -449,7 +553,7 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: LocalCluster) 
         outcome.reports[pos] = report
         f = report.failure
         if f is not None:
-            if f.exc_type == "KeyboardInterrupt" and watch.interrupted:
+            if f.interrupted and watch.interrupted:
                 outcome.stopped.append(spec.rank)
                 continue
             outcome.failures.append(f)

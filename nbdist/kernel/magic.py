@@ -7,15 +7,17 @@ import ast
 import os
 import shlex
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from traitlets import Bool, observe
 
-from nbdist.engine.worker import run_source
+from nbdist.errors import ExportError
 from nbdist.kernel import commands
-from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.netns import MODES
 from nbdist.kernel.options import _names, _positive_int, parse_run_options, run_parser
 from nbdist.kernel.session import Session
 
@@ -29,21 +31,7 @@ Cell magic::
 
 Line magic::
 
-    %distrain start [-n N]    start the workers now (the first %%distrain does it otherwise)
-    %distrain stop            stop every worker and the controller
-    %distrain restart [-n N]  fresh workers (after a crash, or to change N)
-    %distrain status          workers, hosts, GPUs, busy/idle
-    %distrain check SOURCE    check code (a string variable's name, or code) for mistakes
-    %distrain connect --profile NAME   use the engines of a cluster started elsewhere
-                              (ipcluster start --profile NAME, SSH/MPI/Slurm launchers);
-                              also --cluster-id ID, --profile-dir DIR, --file CONNECTION.json
-    %distrain export train.py [--force]  the session's cells as one script for torchrun
-    %distrain reset           drop every worker's variables (the process group stays)
-    %distrain pull NAME[,NAME] [--rank R]   workers' variables into the notebook (rank 0)
-    %distrain push NAME[,NAME]              notebook variables onto every worker
-    %distrain vars            the workers' variables: type, shape, same on every rank?
-    x = %distrain compare NAME   is NAME the same on every rank? (x.identical, x.max_abs_diff)
-    %distrain auto on|off     run every cell on the workers (%%local cells in the notebook)
+{subcommands}
 
 The cell runs on every worker at once, as rank 0 .. N-1 of one job. Before it starts the
 process group is ready (``torch.distributed``: nccl with GPUs, gloo without), and the cell
@@ -52,7 +40,8 @@ sees these names:
     rank, world_size          this worker's rank and the number of workers
     local_rank, local_world_size   the same, counted on this worker's host
     is_main                   rank == 0: print, save and evaluate only there
-    device                    where to put the model: cuda:0 (this worker's own GPU) or cpu
+    device                    where to put the model: cuda:<local_rank> (this worker's own GPU,
+                              as under torchrun) or cpu
     torch, nn, dist           torch, torch.nn, torch.distributed
 
 TensorFlow cells (``--framework tf``, or inferred from ``import tensorflow``/``keras``/
@@ -168,16 +157,104 @@ Flags
 """
 
 
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``%distrain`` subcommand: its arguments, how it is written, what it does. The
+    parser, the usage line of every error and the ``%%distrain?`` text come from these."""
+
+    name: str
+    usage: str  # its arguments, as written after the name
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+
+
+def _workers_and_network(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--workers", type=_positive_int, metavar="N")
+    p.add_argument("--network", choices=MODES)
+
+
+def _connect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile")
+    p.add_argument("--cluster-id")
+    p.add_argument("--profile-dir")
+    p.add_argument("--file", dest="url_file")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("-n", "--workers", type=_positive_int, metavar="N")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path")
+    p.add_argument("--force", action="store_true")
+
+
+def _pull_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", type=_names("pull"))
+    p.add_argument("--rank", type=int, default=0)
+
+
+SUBCOMMANDS = (
+    Subcommand(
+        "start", "[-n N] [--network private|isolated|host]",
+        "start the workers now (the first %%distrain does it otherwise); --network: private "
+        "(default, outbound connections only where slirp4netns is installed), isolated "
+        "(loopback only) or host (this machine's network)",
+        _workers_and_network,
+    ),
+    Subcommand("stop", "", "stop every worker and the controller (a connected cluster: leave it)"),
+    Subcommand(
+        "restart", "[-n N] [--network private|isolated|host]",
+        "fresh workers (after a crash, to change N or the network)", _workers_and_network,
+    ),
+    Subcommand("status", "", "workers, hosts, GPUs, busy/idle, memory"),
+    Subcommand("check", "SOURCE", "check code (a string variable's name, or code) for mistakes"),
+    Subcommand(
+        "connect", "[--profile NAME] [--cluster-id ID] [--file CONNECTION.json] [-n N]",
+        "use the engines of a cluster started elsewhere (ipcluster start --profile NAME, "
+        "SSH/MPI/Slurm launchers), once N (or as many as it started) have registered; also "
+        "--profile-dir DIR, --timeout S",
+        _connect_args,
+    ),
+    Subcommand(
+        "export", "SCRIPT.py [--force]", "the session's cells as one script for torchrun",
+        _export_args,
+    ),
+    Subcommand("reset", "", "drop every worker's variables (the process group stays)"),
+    Subcommand(
+        "pull", "NAME[,NAME] [--rank R]", "workers' variables into the notebook (rank 0)",
+        _pull_args,
+    ),
+    Subcommand(
+        "push", "NAME[,NAME]", "notebook variables onto every worker",
+        lambda p: p.add_argument("names", type=_names("push")),
+    ),
+    Subcommand("vars", "", "the workers' variables: type, shape, same on every rank?"),
+    Subcommand(
+        "compare", "NAME",
+        "is NAME the same on every rank? (x = %distrain compare NAME: x.identical, "
+        "x.max_abs_diff)",
+        lambda p: p.add_argument("name", type=_names("compare")),
+    ),
+    Subcommand(
+        "auto", "on|off", "run every cell on the workers (%%local cells in the notebook)",
+        lambda p: p.add_argument("mode", choices=("on", "off")),
+    ),
+)  # fmt: skip
+
+_SUBCOMMANDS = " | ".join(f"{c.name} {c.usage}".strip() for c in SUBCOMMANDS)
+
+
+def _subcommands_text() -> str:
+    import textwrap
+
+    lines = []
+    for c in SUBCOMMANDS:
+        lines.append(f"    %distrain {c.name} {c.usage}".rstrip())
+        lines += textwrap.wrap(c.help, 92, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return "\n".join(lines)
+
+
 def _doc() -> str:
-    return _DOC + run_parser().format_help()
-
-
-_SUBCOMMANDS = (
-    "start [-n N] | stop | restart [-n N] | status | check SOURCE | "
-    "connect [--profile NAME] [--cluster-id ID] [--file CONNECTION.json] | "
-    "export SCRIPT.py [--force] | reset | pull NAME[,NAME] [--rank R] | push NAME[,NAME] | "
-    "vars | compare NAME | auto on|off"
-)
+    return _DOC.replace("{subcommands}", _subcommands_text()) + run_parser().format_help()
 
 
 class _SubParser(argparse.ArgumentParser):
@@ -188,31 +265,9 @@ class _SubParser(argparse.ArgumentParser):
 def _subcommand_parser() -> argparse.ArgumentParser:
     p = _SubParser(prog="%distrain", add_help=False, allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_SubParser)
-    for name in ("start", "restart"):
-        sp = sub.add_parser(name, add_help=False)
-        sp.add_argument("-n", "--workers", type=_positive_int, metavar="N")
-    sub.add_parser("stop", add_help=False)
-    sub.add_parser("status", add_help=False)
-    connect = sub.add_parser("connect", add_help=False)
-    connect.add_argument("--profile")
-    connect.add_argument("--cluster-id")
-    connect.add_argument("--profile-dir")
-    connect.add_argument("--file", dest="url_file")
-    connect.add_argument("--timeout", type=float, default=30.0)
-    export = sub.add_parser("export", add_help=False)
-    export.add_argument("path")
-    export.add_argument("--force", action="store_true")
-    sub.add_parser("reset", add_help=False)
-    sub.add_parser("vars", add_help=False)
-    pull = sub.add_parser("pull", add_help=False)
-    pull.add_argument("names", type=_names("pull"))
-    pull.add_argument("--rank", type=int, default=0)
-    push = sub.add_parser("push", add_help=False)
-    push.add_argument("names", type=_names("push"))
-    compare = sub.add_parser("compare", add_help=False)
-    compare.add_argument("name", type=_names("compare"))
-    auto = sub.add_parser("auto", add_help=False)
-    auto.add_argument("mode", choices=("on", "off"))
+    for c in SUBCOMMANDS:
+        if c.name != "check":  # takes code as typed: shlex would eat its quotes
+            c.arguments(sub.add_parser(c.name, add_help=False))
     return p
 
 
@@ -260,12 +315,17 @@ class DistrainMagics(Magics):
 
     def __init__(self, shell) -> None:
         super().__init__(shell)
-        self.cluster = LocalCluster(notify=self._notify)
-        self.session = Session(self.cluster, notify=self._notify)
+        self.session = Session(notify=self._notify)
         self.session.interrupt_path = _interrupt_path(shell)
+        self.session.live_progress = getattr(shell, "kernel", None) is not None
         self.auto = False
-        self._local = False  # inside a %%local cell: the auto prefix does not apply
         self._prestarted = False  # workers started at %load_ext that no command has used yet
+        shell.input_transformers_cleanup.append(self._transform)
+
+    @property
+    def cluster(self) -> Any:
+        """The workers the session runs on now (local, or connected)."""
+        return self.session.cluster
 
     def start_in_background(self) -> bool:
         """At ``%load_ext``: begin starting the default workers (torch preloaded when it is
@@ -274,8 +334,17 @@ class DistrainMagics(Magics):
             return False
         import importlib.util
 
-        self.cluster.preload = "torch" if importlib.util.find_spec("torch") else None
-        self.cluster.start_in_background()
+        from nbdist.engine import backends
+
+        preload = next(
+            (
+                b.NAME
+                for b in backends.all_backends()
+                if b.PRELOAD_AT_START and importlib.util.find_spec(b.MODULE)
+            ),
+            None,
+        )
+        self.session.begin_prestart(preload)
         self._prestarted = True
         return True
 
@@ -284,24 +353,7 @@ class DistrainMagics(Magics):
         # getattr: the shell's config sets the trait inside Magics.__init__, before ours runs.
         if not change["new"] and getattr(self, "_prestarted", False):
             self._prestarted = False
-            self.cluster.stop()
-
-    def _export(self, path: str, force: bool) -> None:
-        from nbdist.kernel.export import ExportError, export_script
-
-        if not path.endswith(".py"):
-            raise UsageError(f"%distrain export: {path!r} should be a .py file, e.g. train.py")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise UsageError(f"%distrain export: no folder {folder}; create it first.")
-        try:
-            written = export_script(self.session.cells, path, force=force)
-        except ExportError as e:
-            raise UsageError(
-                f"%distrain export: {e}. (Run the cells, then %distrain export train.py.)"
-            ) from None
-        extra = f" (and {written[1].name}, the --push data)" if len(written) > 1 else ""
-        print(f"nbdist: wrote {written[0]}{extra}; how to run it is at the top of the file.")
+            self.session.stop()
 
     @staticmethod
     def _notify(message: str) -> None:
@@ -317,21 +369,23 @@ class DistrainMagics(Magics):
 
     @cell_magic
     def local(self, line: str, cell: str):
-        """Run this cell in the notebook's own kernel (while ``%distrain auto on``)."""
-        self._local = True
-        try:
-            code = self.shell.transform_cell(cell)
-        finally:
-            self._local = False
-        value = run_source(code, "<%%local>", self.shell.user_ns)
-        return None if cell.rstrip().endswith(";") else value
+        """Run this cell in the notebook's own kernel (while ``%distrain auto on``).
 
-    def _auto_prefix(self, lines: list[str]) -> list[str]:
-        """With ``%distrain auto on``: a cell that starts with no ``%`` runs on the workers."""
-        if not self.auto or self._local or not lines:
+        A cell typed with ``%%local`` on its first line never gets here: ``_transform`` takes
+        the line off and the kernel runs the rest as any cell (IPython's tracebacks, ``await``,
+        the history). This runs one given to ``run_cell_magic``."""
+        self.shell.run_cell(cell, store_history=False)
+
+    def _transform(self, lines: list[str]) -> list[str]:
+        """The first transform of every cell: a ``%%local`` cell runs as a plain one, in the
+        notebook; with ``%distrain auto on``, a cell that starts with no ``%`` runs on the
+        workers."""
+        if not lines:
             return lines
-        first = lines[0].lstrip()
-        if not first or first.startswith(("%", "!", "?")):
+        first = lines[0].strip()
+        if first == "%%local":
+            return lines[1:] or ["\n"]
+        if not self.auto or not first or first.startswith(("%", "!", "?")):
             return lines
         return ["%%distrain\n", *lines]
 
@@ -368,77 +422,101 @@ class DistrainMagics(Magics):
                 "To run a cell, put %%distrain (two %) on its first line."
             )
         ns = _subcommand_parser().parse_args(argv)
-        session, cluster = self.session, self.cluster
-        if ns.command == "start":
-            if cluster.running:
-                cluster.ensure(ns.workers)
-            else:
-                cluster.start(ns.workers)
-            session.note_engines("the workers were resized")
-            print(cluster.status_text())
-        elif ns.command == "restart":
-            self._notify("nbdist: restarting the workers")
-            cluster.restart(ns.workers)
-            session.note_engines("the workers were restarted")
-            print(cluster.status_text())
-        elif ns.command == "stop":
-            was, owned = cluster.running, cluster.owned
-            cluster.stop()
-            session.note_engines("the workers were stopped")
-            if not was:
-                print("nbdist: no cluster was running")
-            elif owned:
-                print("nbdist: cluster stopped")
-            else:
-                print("nbdist: disconnected; the connected cluster's engines keep running")
-        elif ns.command == "connect":
-            cluster.connect(
-                profile=ns.profile,
-                cluster_id=ns.cluster_id,
-                profile_dir=ns.profile_dir,
-                url_file=ns.url_file,
-                timeout=ns.timeout,
+        return getattr(self, f"_{ns.command}")(ns)
+
+    # -- one method per subcommand (SUBCOMMANDS) -------------------------------------------------
+    def _network(self, ns: argparse.Namespace) -> None:
+        if ns.network is None:
+            return
+        self.session.ready()
+        cluster = self.cluster
+        now = cluster.network_now() if hasattr(cluster, "network_now") else None
+        if ns.command == "start" and now is not None and now != ns.network:
+            raise UsageError(
+                f"%distrain start --network {ns.network}: the workers run on the {now} "
+                f"network; %distrain restart --network {ns.network} starts them anew on it."
             )
-            session.note_engines("the notebook left its workers for the connected cluster")
-            print(cluster.connected_text())
-        elif ns.command == "export":
-            self._export(ns.path, ns.force)
-        elif ns.command == "reset":
-            print(commands.reset(session))
-        elif ns.command == "pull":
-            print(commands.pull(session, ns.names, ns.rank, self.shell.user_ns))
-        elif ns.command == "push":
-            print(commands.push(session, ns.names, self.shell.user_ns))
-        elif ns.command == "vars":
-            return commands.variables(session)
-        elif ns.command == "compare":
-            if len(ns.name) != 1:
-                raise UsageError("%distrain compare takes one variable name, e.g. compare model")
-            return commands.compare(session, ns.name[0])
-        elif ns.command == "auto":
-            self.auto = ns.mode == "on"
-            transforms = self.shell.input_transformers_cleanup
-            if self.auto and self._auto_prefix not in transforms:
-                transforms.append(self._auto_prefix)
-            elif not self.auto and self._auto_prefix in transforms:
-                transforms.remove(self._auto_prefix)
-            print(
-                "nbdist: auto on: every cell runs on the workers; %%local runs one in the "
-                "notebook, %distrain auto off ends it"
-                if self.auto
-                else "nbdist: auto off: cells run in the notebook again"
-            )
-        else:
-            error = cluster.background_error
-            if error is not None:
-                print(f"nbdist: the workers could not be started in the background: {error}")
-            print("\n".join([cluster.status_text(), *commands.status_lines(session)]))
-        return None
+        cluster.network_mode = ns.network
+
+    def _start(self, ns: argparse.Namespace) -> None:
+        self._network(ns)
+        self.session.start(ns.workers)
+        print(self.session.status_text())
+
+    def _restart(self, ns: argparse.Namespace) -> None:
+        self._network(ns)
+        self._notify("nbdist: restarting the workers")
+        self.session.restart(ns.workers)
+        print(self.session.status_text())
+
+    def _stop(self, ns: argparse.Namespace) -> None:
+        print(self.session.stop())
+
+    def _status(self, ns: argparse.Namespace) -> None:
+        error = self.session.background_error
+        if error is not None:
+            print(f"nbdist: the workers could not be started in the background: {error}")
+        print("\n".join([self.session.status_text(), *commands.status_lines(self.session)]))
+
+    def _connect(self, ns: argparse.Namespace) -> None:
+        self.session.connect(
+            profile=ns.profile,
+            cluster_id=ns.cluster_id,
+            profile_dir=ns.profile_dir,
+            url_file=ns.url_file,
+            timeout=ns.timeout,
+            workers=ns.workers,
+        )
+        print(self.cluster.connected_text())
+
+    def _export(self, ns: argparse.Namespace) -> None:
+        from nbdist.kernel.export import export_script
+
+        path = ns.path
+        if not path.endswith(".py"):
+            raise UsageError(f"%distrain export: {path!r} should be a .py file, e.g. train.py")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"%distrain export: no folder {folder}; create it first.")
+        try:
+            written = export_script(self.session.cells, path, force=ns.force)
+        except ExportError as e:
+            raise UsageError(
+                f"%distrain export: {e}. (Run the cells, then %distrain export train.py.)"
+            ) from None
+        extra = f" (and {written[1].name}, the --push data)" if len(written) > 1 else ""
+        print(f"nbdist: wrote {written[0]}{extra}; how to run it is at the top of the file.")
+
+    def _reset(self, ns: argparse.Namespace) -> None:
+        print(commands.reset(self.session))
+
+    def _pull(self, ns: argparse.Namespace) -> None:
+        print(commands.pull(self.session, ns.names, ns.rank, self.shell.user_ns))
+
+    def _push(self, ns: argparse.Namespace) -> None:
+        print(commands.push(self.session, ns.names, self.shell.user_ns))
+
+    def _vars(self, ns: argparse.Namespace) -> Any:
+        return commands.variables(self.session)
+
+    def _compare(self, ns: argparse.Namespace) -> Any:
+        if len(ns.name) != 1:
+            raise UsageError("%distrain compare takes one variable name, e.g. compare model")
+        return commands.compare(self.session, ns.name[0])
+
+    def _auto(self, ns: argparse.Namespace) -> None:
+        self.auto = ns.mode == "on"
+        print(
+            "nbdist: auto on: every cell runs on the workers; %%local runs one in the "
+            "notebook, %distrain auto off ends it"
+            if self.auto
+            else "nbdist: auto off: cells run in the notebook again"
+        )
 
     def close(self) -> None:
-        if self._auto_prefix in self.shell.input_transformers_cleanup:
-            self.shell.input_transformers_cleanup.remove(self._auto_prefix)
-        self.cluster.stop()
+        if self._transform in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.remove(self._transform)
+        self.session.close()
 
 
 DistrainMagics.distrain.__doc__ = _doc()

@@ -12,9 +12,9 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine.metrics import KEY_PREFIX, META_KEY, flush_interval
-
-ROUNDS_FROM = 16  # beyond this many ranks, not every rank's task is read at every pump
+from nbdist.engine.metrics import flush_interval
+from nbdist.protocol import KEY_PREFIX, META_KEY, RunMeta
+from nbdist.ranks import MANY_RANKS
 
 
 @dataclass
@@ -25,18 +25,18 @@ class MetricsStream:
     history: list[dict[str, Any]] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # (rank, missing seq)
     received: list[int] = field(init=False)
-    meta: list[dict[str, Any]] = field(init=False)
+    meta: list[RunMeta] = field(init=False)
     last_step: list[int | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.received = [0] * self.world
-        self.meta = [{} for _ in range(self.world)]
+        self.meta = [RunMeta() for _ in range(self.world)]
         self.last_step = [None] * self.world
 
     def pump(self, rank: int, data: MutableMapping[str, Any]) -> int:
         """Take rank ``rank``'s new messages out of ``data``; returns the points added."""
         if META_KEY in data:
-            self.meta[rank] = dict(data[META_KEY])
+            self.meta[rank] = data[META_KEY]
         keys = sorted(k for k in list(data) if k.startswith(KEY_PREFIX))
         added = 0
         for key in keys:
@@ -57,7 +57,7 @@ class MetricsStream:
 
     def total_steps(self) -> int | None:
         """The largest total any rank announced, if any did."""
-        totals = [m["total_steps"] for m in self.meta if m.get("total_steps")]
+        totals = [m.total_steps for m in self.meta if m.total_steps]
         return max(totals) if totals else None
 
 
@@ -67,13 +67,13 @@ class Rounds:
     Reading a task's data or output parses its metadata (5-10 µs a read in bench-scale, three
     reads a rank): every rank at every pump would be 30,720 reads/s at 512 ranks, a sixth to a
     third of a core, for messages that come every half second. A rank sends a message
-    every ``flush_interval(world)`` only, so beyond ``ROUNDS_FROM`` ranks each is read about
+    every ``flush_interval(world)`` only, so beyond ``MANY_RANKS`` ranks each is read about
     that often, the ranks spread over the pumps in between; up to it, every rank every pump.
     """
 
     def __init__(self, world: int, pump_s: float) -> None:
         self.world = world
-        self.every = 1 if world <= ROUNDS_FROM else max(1, round(flush_interval(world) / pump_s))
+        self.every = 1 if world <= MANY_RANKS else max(1, round(flush_interval(world) / pump_s))
         self._turn = 0
 
     def next(self) -> range:

@@ -26,9 +26,11 @@ before; :attr:`PrivateNetwork.reason` says why, and a multi-worker TensorFlow jo
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 MODE_ENV = "NBDIST_ENGINE_NETWORK"  # "private" (default) or "host"
 HOLDER_START_TIMEOUT_S = 10
+OUTBOUND_START_TIMEOUT_S = 5
 SOCKET_BASE = "s"  # short: a unix socket path has at most 107 bytes
 
 
@@ -56,18 +59,28 @@ class PrivateNetwork:
         self.sockets: Path | None = None
         self.reason: str | None = None  # why engines share the host's network (None: they don't)
         self._modes: list[str] = []  # kinds of namespace still to try, the running holder's first
-        self._tried: list[str] = []  # what each failed kind said
+        self._tried: list[tuple[str, str]] = []  # each failed kind, and what it said
+        self.started: int | None = None  # the holder's start in ticks (with its PID, who it is)
+        self.outbound: subprocess.Popen | None = None  # slirp4netns, when it links the network
+        self.isolated = False  # asked for no outbound link
+        self._outbound_exit: int | None = None  # its exit pipe: closed, it exits
 
     @property
     def private(self) -> bool:
         return self.holder is not None
 
-    def start(self) -> None:
-        """Start the holder; :meth:`ready` waits for it (the controller starts meanwhile)."""
+    def start(self, mode: str | None = None) -> None:
+        """Start the holder; :meth:`ready` waits for it (the controller starts meanwhile).
+        ``mode``: one of ``MODES`` (``%distrain start --network``; None:
+        ``$NBDIST_ENGINE_NETWORK``, else private)."""
         self._sockets.mkdir(mode=0o700)
         self.sockets = self._sockets
-        self.reason = host_network_asked()
+        self.isolated = (mode or os.environ.get(MODE_ENV, "private")) == "isolated"
+        self.reason = host_network_asked(mode)
         if self.reason is not None:
+            return
+        if not sys.platform.startswith("linux"):
+            self.reason = f"network namespaces are Linux-only (this is {sys.platform})"
             return
         self._modes = ["net", "user"] if os.geteuid() == 0 else ["user"]
         self._tried = []
@@ -97,19 +110,91 @@ class PrivateNetwork:
                 line = f"no answer in {HOLDER_START_TIMEOUT_S} s"
             if line == "ready":
                 self.user = self._modes[0] == "user"
+                stat_ = netns.proc_stat(holder.pid)
+                self.started = None if stat_ is None else stat_[1]
                 return
             holder.kill()
             holder.wait()
             holder.stdout.close()
             holder.stdin.close()
             mode = self._modes.pop(0)
-            self._tried.append(f"{'user+' if mode == 'user' else ''}network namespace: {line}")
+            self._tried.append((mode, line))
             self.holder = None
             if self._modes:
                 self._launch()
         if self.reason is None:
-            self.reason = "this platform refused a private network (" + "; ".join(self._tried) + ")"
+            self.reason = refusal(self._tried)
             log.info("engines use the host network: %s", self.reason)
+
+    def link_out(self) -> None:
+        """Give the private network an outbound-only link, when ``slirp4netns`` is installed:
+        a NAT in user space (no privilege needed), through which the workers connect out
+        (downloads, model hubs) and nothing connects in (no port is forwarded; the host's own
+        loopback is left out, ``--disable-host-loopback``). It exits when the kernel does (its
+        exit pipe closes). Without it the network has its loopback only (``outbound`` says)."""
+        tool = shutil.which("slirp4netns")
+        if self.holder is None or tool is None or self.isolated:
+            return
+        ready_r, ready_w = os.pipe()
+        exit_r, exit_w = os.pipe()
+        pid = self.holder.pid
+        args = [tool, "--configure", "--mtu=65520", "--disable-host-loopback",
+                f"--ready-fd={ready_w}", f"--exit-fd={exit_r}"]  # fmt: skip
+        if self.user:
+            args.append(f"--userns-path=/proc/{pid}/ns/user")
+        proc = subprocess.Popen(
+            [*args, str(pid), "tap0"],
+            pass_fds=(ready_w, exit_r),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # as the holder: not stopped by the kernel's interrupt
+        )
+        os.close(ready_w)
+        os.close(exit_r)
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(ready_r, selectors.EVENT_READ)
+            ready = bool(sel.select(OUTBOUND_START_TIMEOUT_S)) and os.read(ready_r, 1) == b"1"
+        os.close(ready_r)
+        if not ready:
+            os.close(exit_w)
+            proc.kill()
+            said = proc.communicate()[1].decode(errors="replace").strip().splitlines()
+            log.info("no outbound link: %s", said[-1] if said else "slirp4netns did not start")
+            return
+        proc.stderr.close()
+        self.outbound, self._outbound_exit = proc, exit_w
+
+    def describe(self) -> str:
+        """One line for the start notice: what network the workers have."""
+        if not self.private:
+            return (
+                f"nbdist: the workers share this machine's network ({self.reason}): other local "
+                "users can reach their torch store and gloo ports on 127.0.0.1, and multi-worker "
+                "TensorFlow jobs need --expose-tf"
+            )
+        why = "it keeps TensorFlow's servers, which run any code sent to them, to the workers"
+        if self.outbound is None:
+            how = "" if self.isolated else " (slirp4netns, when installed, gives it one)"
+            return (
+                f"nbdist: the workers have a network of their own with no way out{how} ({why}): "
+                "download data in the notebook (the workers see its files), or %distrain "
+                "restart --network host"
+            )
+        names = (
+            ""
+            if resolver_reachable()
+            else (
+                "; names do not resolve there (this machine's resolver listens on its own "
+                "loopback: /etc/resolv.conf)"
+            )
+        )
+        return (
+            f"nbdist: the workers have a network of their own ({why}), with outbound "
+            f"connections only (slirp4netns: nothing outside can connect in){names}"
+        )
 
     def controller_args(self) -> list[str]:
         """ipcontroller options: every socket an ipc endpoint in the private folder."""
@@ -119,7 +204,10 @@ class PrivateNetwork:
     def engine_env(self) -> dict[str, str]:
         if self.holder is None:
             return {}
-        env = {netns.HOLDER_ENV: str(self.holder.pid), netns.USER_NS_ENV: "1" if self.user else ""}
+        env = {
+            netns.HOLDER_ENV: f"{self.holder.pid}:{self.started}",
+            netns.USER_NS_ENV: "1" if self.user else "",
+        }
         if "TORCH_CPP_LOG_LEVEL" not in os.environ:
             # c10d names each TCPStore client socket (::ffff:127.0.0.1) by reverse DNS; with no
             # DNS server reachable that fails with EAI_AGAIN, not "no name", and c10d prints a
@@ -141,6 +229,14 @@ class PrivateNetwork:
                             os.symlink(f"{SOCKET_BASE}-{port}", link)
 
     def stop(self) -> None:
+        outbound, self.outbound = self.outbound, None
+        if outbound is not None:
+            os.close(self._outbound_exit)
+            try:
+                outbound.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                outbound.kill()
+                outbound.wait()
         holder, self.holder = self.holder, None
         if holder is not None:
             with contextlib.suppress(OSError):
@@ -160,11 +256,72 @@ class PrivateNetwork:
                 sockets.rmdir()
 
 
-def host_network_asked() -> str | None:
-    """Why engines started now will share the host's network, when the configuration says so
-    (``NBDIST_ENGINE_NETWORK=host``); None otherwise. A platform that refuses namespaces is
-    found only by starting the holder (:meth:`PrivateNetwork.ready`)."""
-    return f"{MODE_ENV}=host is set" if os.environ.get(MODE_ENV, "private") == "host" else None
+# private: a network of the workers' own, with an outbound-only link where slirp4netns is
+# installed; isolated: the same without the link (loopback only); host: this machine's.
+MODES = ("private", "isolated", "host")
+
+
+def host_network_asked(mode: str | None = None) -> str | None:
+    """Why engines started now will share the host's network, when asked to (``mode``
+    "host": ``%distrain start --network host``; or ``NBDIST_ENGINE_NETWORK=host``); None
+    otherwise. A platform that refuses namespaces is found only by starting the holder
+    (:meth:`PrivateNetwork.ready`)."""
+    if mode == "host":
+        return "--network host was asked for"
+    if mode is None and os.environ.get(MODE_ENV, "private") == "host":
+        return f"{MODE_ENV}=host is set"
+    return None
+
+
+# What an errno from unshare() means, in words (man 2 unshare, and what platforms do).
+_REFUSALS = {
+    errno.EPERM: "the platform refuses new namespaces to this process (a container's seccomp "
+    "profile, as Docker's default; AppArmor's rule for unprivileged user namespaces, as on "
+    "Ubuntu 24.04; or user namespaces turned off for unprivileged users)",
+    errno.EACCES: "the platform refuses new namespaces to this process (a security module "
+    "such as AppArmor or SELinux)",
+    errno.ENOSPC: "user namespaces are disabled on this machine (user.max_user_namespaces is 0)",
+    errno.EUSERS: "user namespaces are disabled on this machine (user.max_user_namespaces is 0)",
+    errno.EINVAL: "this kernel was built without network or user namespaces",
+    errno.ENOSYS: "this kernel was built without network or user namespaces",
+}
+
+
+def refusal(tried: list[tuple[str, str]]) -> str:
+    """Why no namespace could be made, in words, from what each kind the holder tried said
+    (``"<errno> <message>"``, or what went wrong with it), the raw messages after it."""
+    causes, raw = [], []
+    for mode, line in tried:
+        number, _, message = line.partition(" ")
+        words = _REFUSALS.get(int(number)) if number.isdigit() else None
+        if words and words not in causes:
+            causes.append(words)
+        kind = "user+network namespace" if mode == "user" else "network namespace"
+        raw.append(f"{kind}: {message if number.isdigit() else line}")
+    lead = causes[-1] if causes else "this platform refused a private network"
+    return f"{lead} ({'; '.join(raw)})"
+
+
+def resolver_reachable(path: str = "/etc/resolv.conf") -> bool:
+    """Whether a name server this machine uses is reachable from the private network: one that
+    is not on loopback (systemd-resolved's 127.0.0.53 is this machine's own loopback, which the
+    outbound link leaves out)."""
+    import ipaddress
+
+    try:
+        with open(path) as f:
+            servers = [
+                ln.split()[1] for ln in f if ln.startswith("nameserver") and len(ln.split()) > 1
+            ]
+    except OSError:
+        return False
+    for server in servers:
+        try:
+            if not ipaddress.ip_address(server.split("%")[0]).is_loopback:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def wait_for_files(controller: Any, timeout: float) -> list[str]:

@@ -7,38 +7,42 @@ engine is started or resized for a cell that a flag makes impossible).
 from __future__ import annotations
 
 import importlib.util
-import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 from IPython.core.error import UsageError
 
 from nbdist.engine import backends, worker
 from nbdist.errors import ClusterError
-from nbdist.kernel.cluster import LocalCluster, Rendezvous
+from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.source import used_frameworks
+from nbdist.protocol import Prepared, pickling_error
 
 
 def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
-    """``--framework``; else what the cell uses; else what the workers already have set up;
-    else torch when it is installed, else TensorFlow."""
+    """``--framework``; else the framework whose own flag the cell gives (``--strategy``);
+    else what the cell uses; else what the workers already have set up; else the first one
+    installed (torch, then TensorFlow)."""
     if opts.framework is not None:
         return opts.framework
-    if opts.strategy is not None:
-        return "tf"
-    found = used_frameworks(tree) & set(backends.FRAMEWORKS)
+    for backend in backends.all_backends():
+        if any(getattr(opts, flag) is not None for flag in backend.CHOSEN_BY):
+            return backend.NAME
+    found = used_frameworks(tree)
     if len(found) == 1:
         return found.pop()
     if found:
         raise UsageError(
             "%%distrain: cannot tell which framework this cell is for (it uses both "
-            f"{' and '.join(sorted(found))}). Add --framework torch|tf to the %%distrain line."
+            f"{' and '.join(sorted(found))}). Add --framework "
+            f"{'|'.join(backends.FRAMEWORKS)} to the %%distrain line."
         )
     if current is not None:
         return current
-    for framework, module in (("torch", "torch"), ("tf", "tensorflow")):
-        if importlib.util.find_spec(module) is not None:
-            return framework
+    for backend in backends.all_backends():
+        if importlib.util.find_spec(backend.MODULE) is not None:
+            return backend.NAME
     raise UsageError(
         "%%distrain: neither torch nor tensorflow is installed in this kernel's environment; "
         "pip install torch (or tensorflow), then run the cell again."
@@ -46,14 +50,16 @@ def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
 
 
 def check_flags(opts: RunOptions, framework: str) -> None:
-    """Flags that do not fit the cell's framework: a UsageError before anything starts."""
-    if opts.backend is not None and framework != "torch":
-        raise UsageError(f"%%distrain: --backend is for torch cells; drop it for {framework}.")
-    if opts.strategy is not None and framework != "tf":
-        raise UsageError(
-            f"%%distrain: --strategy is for TensorFlow cells; drop it for {framework}, "
-            "or add --framework tf."
-        )
+    """Flags that are another framework's own: a UsageError before anything starts."""
+    for backend in backends.all_backends():
+        if backend.NAME == framework:
+            continue
+        for flag in backend.FLAGS:
+            if getattr(opts, flag) is not None:
+                raise UsageError(
+                    f"%%distrain: --{flag} is for {backend.TITLE} cells; drop it for "
+                    f"{framework}, or add --framework {backend.NAME}."
+                )
 
 
 def check_gpus(opts: RunOptions, *, gpus: bool) -> None:
@@ -77,9 +83,8 @@ def check_push(
                 f"{flag} {name}: no variable {name!r} in the notebook; define it "
                 "in a cell above, or check the spelling."
             )
-        try:
-            pickle.dumps(user_ns[name])
-        except Exception as e:
+        e = pickling_error(user_ns[name])
+        if e is not None:
             raise UsageError(
                 f"{flag} {name}: a {type(user_ns[name]).__name__} cannot be sent to "
                 f"the workers ({type(e).__name__}: {e}). Push plain data (arrays, tensors, "
@@ -101,40 +106,43 @@ def backend_options(opts: RunOptions) -> dict[str, Any]:
     }
 
 
-def warm_up(cluster: LocalCluster, framework: str) -> None:
-    if framework in cluster.warm:
+def warm_up(cluster: Cluster, framework: str, warm: set[str]) -> None:
+    """Every engine imports ``framework`` (once: ``warm`` holds the frameworks they have)."""
+    if framework in warm:
         return
     cluster.apply_all(
         worker.warm_up,
         lambda e: {"framework": framework, "local_world_size": e.local_world_size, "cpus": e.cpus},
     )
-    cluster.warm.add(framework)
+    warm.add(framework)
 
 
 def rendezvous_key(
-    cluster: LocalCluster, framework: str, opts: RunOptions, world: int
+    cluster: Cluster, framework: str, opts: RunOptions, world: int
 ) -> tuple[Any, ...]:
-    """What a rendezvous is made for, with the defaults resolved (``--backend gloo`` on CPU is
-    the group a cell without the flag gets). ``--timeout`` is left out: a group keeps the
-    collective timeout it was made with."""
-    if framework == "torch":
-        gpus = any(e.gpu for e in cluster.engines)
-        return (framework, opts.backend or ("nccl" if gpus else "gloo"), world)
-    return (framework, opts.strategy or "multiworker", world)
+    """What a rendezvous is made for (the backend says, defaults resolved)."""
+    gpus = any(e.gpu for e in cluster.engines)
+    return backends.load(framework).rendezvous_key(backend_options(opts), gpus=gpus, world=world)
 
 
 def rendezvous(
-    cluster: LocalCluster, framework: str, opts: RunOptions, world: int, options: dict[str, Any]
+    cluster: Cluster,
+    framework: str,
+    opts: RunOptions,
+    world: int,
+    options: dict[str, Any],
+    session: Any,
 ) -> list[dict[str, str]]:
-    """Each rank's environment; the live rendezvous when it was made for the same job shape."""
+    """Each rank's environment; the session's live rendezvous when it was made for the same
+    job shape."""
     key = rendezvous_key(cluster, framework, opts, world)
-    live = cluster.rendezvous.get(framework)
+    live = session.rendezvous.get(framework)
     if live is not None and live.key == key:
         return live.envs
     hosts = [e.address for e in cluster.engines[:world]]
     with_master = {"master_addr": hosts[0], **options}
 
-    def prepare() -> list[dict]:
+    def prepare() -> list[Prepared]:
         return cluster.apply_all(
             worker.prepare,
             lambda e: {
@@ -147,15 +155,24 @@ def rendezvous(
         )
 
     prepared = prepare()
-    reasons = sorted({p["restart"] for p in prepared if p.get("restart")})
+    reasons = sorted({p.restart for p in prepared if p.restart})
     if reasons:
         cluster.replace_engines(
-            notice=f"nbdist: restarting the workers: {reasons[0]}", why=reasons[0]
-        )
+            notice=f"nbdist: restarting the workers: {reasons[0]}", why=reasons[0],
+            note="the workers were restarted",
+        )  # fmt: skip
         if cluster.stale:
             raise ClusterError(cluster.stale)
-        warm_up(cluster, framework)
+        warm_up(cluster, framework, session.warm)
         prepared = prepare()
     envs = backends.load(framework).rendezvous(hosts, prepared)
-    cluster.rendezvous[framework] = Rendezvous(key=key, envs=envs)
+    session.rendezvous[framework] = Rendezvous(key=key, envs=envs)
     return envs
+
+
+@dataclass
+class Rendezvous:
+    """A framework's live rendezvous on the current engines: the key it was made for and envs."""
+
+    key: tuple[Any, ...]
+    envs: list[dict[str, str]] = field(default_factory=list)

@@ -8,7 +8,7 @@ not the kernel); when the kernel is gone it kills the process trees listed in th
 (:mod:`nbdist.kernel.runfiles`), each only if its start time still matches. When the cluster is
 stopped normally the record is removed and the reaper exits.
 
-    python -m nbdist.kernel.reaper RECORD
+    python -m nbdist.kernel.reaper RECORD   (nbdist starts it with -c, see runfiles.Reaper)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import time
 
 from nbdist.kernel.runfiles import (
+    keep_logs,
     kill_tree,
     parse_record,
     read_trusted,
@@ -37,7 +38,7 @@ def watch(record: str) -> None:
             if not same_process(kernel):
                 for proc in procs:
                     kill_tree(proc)
-                remove_record(record)
+                remove_record(record, logs=not keep_logs())
                 return
         time.sleep(POLL_S)
 

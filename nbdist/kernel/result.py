@@ -38,6 +38,8 @@ class DistrainResult:
         Every metric point of every rank, in arrival order: ``{"rank", "step", "time", <metric>:
         value, ...}`` (``log(...)`` calls and automatic capture). ``pandas.DataFrame(r.history)``
         makes a table of it.
+    warnings : tuple of str
+        What nbdist warned about after the run (ranks that trained independent copies).
     """
 
     framework: str
@@ -45,6 +47,7 @@ class DistrainResult:
     wall: float
     ranks: tuple[RankResult, ...]
     history: tuple[dict[str, Any], ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def values(self) -> list[Any]:

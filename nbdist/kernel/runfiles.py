@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from nbdist.engine.netns import proc_stat
 from nbdist.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ Proc = tuple[int, float]
 # lies beside the run record: <folder>/nbdist-<pid up to 4194304>-<8 random>.ipc/s:<port>. A
 # deeper folder made the controller exit at its first bind ("exited while starting").
 SOCKET_PATH_MAX = 107
+
+
+def socket_path_max(platform: str | None = None) -> int:
+    """The longest unix socket path ``platform`` (this one by default) takes: 107 bytes on
+    Linux, 103 on macOS and the BSDs (their sun_path has 104 bytes, with its NUL)."""
+    return SOCKET_PATH_MAX if (platform or sys.platform).startswith("linux") else 103
 
 
 def longest_socket_path(folder: Path) -> int:
@@ -91,10 +98,10 @@ def run_dir() -> Path:
     reasons = []
     for path in run_dir_candidates():
         length = longest_socket_path(path)
-        if length > SOCKET_PATH_MAX:
+        if length > socket_path_max():
             reasons.append(
                 f"{path}: too deep for the controller's sockets ({length} bytes, at most "
-                f"{SOCKET_PATH_MAX})"
+                f"{socket_path_max()})"
             )
             continue
         try:
@@ -111,25 +118,12 @@ def run_dir() -> Path:
 
 def _stat(pid: int) -> tuple[str, float] | None:
     """Process ``pid``'s state letter and start (seconds since boot), or None if there is none.
-
-    Linux: ``/proc/PID/stat``, field 3 and field 22 (start in clock ticks), read past the
-    command name's closing parenthesis (a name may hold spaces and parentheses). Elsewhere
-    psutil's create time, in wall-clock seconds, stands in.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        if _HAS_PROC:
-            return None
+    Linux: ``/proc/PID/stat`` (:func:`nbdist.engine.netns.proc_stat`). Elsewhere psutil's
+    create time, in wall-clock seconds, stands in."""
+    if not _HAS_PROC:
         return _psutil_stat(pid)
-    except OSError:
-        return None
-    try:
-        fields = text[text.rindex(b")") + 2 :].split()
-        return fields[0].decode(), int(fields[19]) / _CLOCK_TICKS
-    except (ValueError, IndexError, UnicodeDecodeError):  # not the format documented in proc(5)
-        return None
+    stat_ = proc_stat(pid)
+    return None if stat_ is None else (stat_[0], stat_[1] / _CLOCK_TICKS)
 
 
 def _psutil_stat(pid: int) -> tuple[str, float] | None:
@@ -318,7 +312,20 @@ class RunRecord:
         """The folder for this cluster's controller sockets, named after the record."""
         return sockets_of(self.path)
 
+    @property
+    def profile(self) -> Path:
+        """The cluster's ipyparallel profile folder, named after the record: its connection
+        files and the controller's and engines' logs (the engines' raw output: what a cell
+        writes to file descriptors 1 and 2, a C library's messages)."""
+        return profile_of(self.path)
+
     def remove(self) -> None:
+        """The record goes, and with it the profile folder and its logs unless they are to be
+        kept (``NBDIST_KEEP_LOGS=1``)."""
+        if not keep_logs():
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(self.profile).st_mode):
+                    shutil.rmtree(self.profile)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -330,7 +337,14 @@ class Reaper:
     def __init__(self, folder: Path) -> None:
         self.record = RunRecord(folder)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.kernel.reaper", str(self.record.path)],
+            # Not -m: the notebook's folder first on sys.path could hide a standard module.
+            [
+                sys.executable,
+                "-c",
+                "import sys; sys.path.pop(0); from nbdist.kernel.reaper import watch; "
+                "watch(sys.argv[1])",
+                str(self.record.path),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -367,12 +381,26 @@ def sockets_of(record: str | Path) -> Path:
     return Path(record).with_suffix(".ipc")
 
 
-def remove_record(record: str | Path) -> None:
-    """Delete a record and its sockets folder (a real folder, not a link to one)."""
-    folder = sockets_of(record)
-    with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.lstat(folder).st_mode):
-            shutil.rmtree(folder)
+def profile_of(record: str | Path) -> Path:
+    return Path(record).with_suffix(".profile")
+
+
+def keep_logs() -> bool:
+    """Whether a stopped cluster's logs stay (``NBDIST_KEEP_LOGS=1``) instead of going."""
+    return os.environ.get(KEEP_LOGS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+KEEP_LOGS_ENV = "NBDIST_KEEP_LOGS"
+
+
+def remove_record(record: str | Path, *, logs: bool = True) -> None:
+    """Delete a record, its sockets folder and (with ``logs``) its profile folder, each only a
+    real folder, not a link to one."""
+    folders = [sockets_of(record), *([profile_of(record)] if logs else [])]
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(folder).st_mode):
+                shutil.rmtree(folder)
     with contextlib.suppress(OSError):
         os.unlink(record)
 
@@ -395,5 +423,5 @@ def clean_stale(directory: str | Path | None = None) -> int:
         if same_process(kernel):
             continue
         killed += sum(kill_tree(proc) for proc in procs)
-        remove_record(path)
+        remove_record(path, logs=not keep_logs())
     return killed

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.kernel.figure import png_data
 from nbdist.kernel.result import DistrainResult
 
 
@@ -112,7 +113,10 @@ def run_scan(
     scan = ScanResult(tuple(counts), tuple(runs), tuple(values), unit)
     if plot:
         display(
-            {"image/png": scan_png(scan), "text/plain": "<nbdist scan: throughput vs workers>"},
+            {
+                "image/png": png_data(scan_png(scan)),
+                "text/plain": "<nbdist scan: throughput vs workers>",
+            },
             raw=True,
         )
     out(scan.table())

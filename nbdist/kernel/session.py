@@ -1,9 +1,13 @@
 """The distributed session: what lives across ``%%distrain`` cells.
 
-One per kernel. It holds the cluster, the framework the workers have set up, the names of the
-variables the workers hold (for the notices when they are lost) and the log of the cells that
-built them (for ``%distrain export``). Each cell is one :class:`~nbdist.kernel.job.Job`; what a
-failed job means for the session is decided in :mod:`nbdist.kernel.failures`.
+One per kernel. It holds the workers (a :class:`~nbdist.kernel.local.LocalCluster` or a
+:class:`~nbdist.kernel.connected.ConnectedCluster`: ``connect`` and ``stop`` choose, and nothing
+else asks which), what they have set up (the framework, its warm engines and live rendezvous,
+whether ``--expose-tf`` was told), the names of the variables the workers hold (for the notices
+when they are lost), the log of the cells that built them (for ``%distrain export``) and their
+loss curves. Each cell is one :class:`~nbdist.kernel.cell.Cell`, whose outcome the session
+applies. When the engines change, the cluster tells the session (``on_change``): what lived on
+them is forgotten, and the user told once, with the note of what changed.
 """
 
 from __future__ import annotations
@@ -17,31 +21,31 @@ from typing import Any, TextIO
 
 from IPython.core.error import UsageError
 
-from nbdist.engine import backends
 from nbdist.engine.hardware import visible_gpus
-from nbdist.engine.spec import RankSpec
-from nbdist.errors import JobInterrupted
-from nbdist.kernel import failures, prepare
-from nbdist.kernel.checks import CheckContext, calls, check_source
-from nbdist.kernel.cluster import LocalCluster, default_workers
+from nbdist.kernel import cell
+from nbdist.kernel.cell import Cell
+from nbdist.kernel.checks import CheckContext, check_source
+from nbdist.kernel.cluster import Cluster
+from nbdist.kernel.connected import ConnectedCluster
 from nbdist.kernel.curves import Segment
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.export import CellRecord
-from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
-from nbdist.kernel.job import Job, Outcome, states
+from nbdist.kernel.local import LocalCluster, default_workers
 from nbdist.kernel.options import RunOptions
-from nbdist.kernel.relay import show_displays
+from nbdist.kernel.prepare import Rendezvous
+from nbdist.kernel.prestart import Prestart
+from nbdist.kernel.relay import without_addresses
 from nbdist.kernel.result import DistrainResult, PerRank, RankResult
 from nbdist.kernel.scan import ScanResult, run_scan
 from nbdist.kernel.source import parse_cell
+from nbdist.protocol import SessionState
 
 
 class Session:
-    """Runs cells on a :class:`LocalCluster` and keeps track of what the workers hold."""
+    """Runs cells on the workers and keeps track of what the workers hold."""
 
     def __init__(
         self,
-        cluster: LocalCluster,
         *,
         out: TextIO | None = None,
         err: TextIO | None = None,
@@ -49,20 +53,28 @@ class Session:
         display: Callable[..., Any] | None = None,
         publish: Callable[..., Any] | None = None,
     ) -> None:
-        self.cluster = cluster
         self._out, self._err = out, err
-        self._display = display or _ipython_display
-        self._publish = publish or _ipython_publish
-        self._notify = notify or (lambda msg: print(msg, file=self.out))
+        self.display = display or _ipython_display
+        self.publish = publish or _ipython_publish
+        self.notify = notify or (lambda msg: print(msg, file=self.out))
+        self.cluster: Cluster = self._local()
+        self.prestart: Prestart | None = None
         # The Jupyter server's interrupt URL for this kernel: what the Stop button calls.
         self.interrupt_path: str | None = None
+        # Whether the ranks' unfinished lines (progress bars) are shown as they change: a front
+        # end updates a display in place; a terminal would print each update on a new line.
+        self.live_progress = False
         self.view: LiveView | None = None  # the running cell's live view
         self.framework: str | None = None  # what the workers have set up
+        self.warm: set[str] = set()  # frameworks the engines have imported
+        self.rendezvous: dict[str, Rendezvous] = {}  # each framework's live one
+        self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
+        self.curve_key: str | None = None  # the model they trained (Recorder.model's key)
         self._run_id = 0
-        self._engines: tuple[tuple[int, int], ...] = ()  # (engine id, pid) the variables live on
+        self._changes: list[str | None] = []  # the engines changed: what to tell, not yet told
 
     @property
     def out(self) -> TextIO:
@@ -72,32 +84,165 @@ class Session:
     def err(self) -> TextIO:
         return self._err or sys.stderr
 
-    # -- the workers' state ----------------------------------------------------------------------
-    def forget(self) -> None:
-        """The workers hold nothing any more (reset, restart, a rebuilt group)."""
-        self.variables, self.cells, self.curve = [], [], []
-        self._engines = self._engine_ids()
+    def next_run_id(self) -> int:
+        self._run_id += 1
+        return self._run_id
 
-    def _engine_ids(self) -> tuple[tuple[int, int], ...]:
-        # Ids alone repeat after a restart (a new controller counts from 0 again).
-        return tuple((e.engine_id, e.pid) for e in self.cluster.engines)
+    # -- the workers -----------------------------------------------------------------------------
+    def _local(self) -> LocalCluster:
+        cluster = LocalCluster(notify=self.notify)
+        cluster.on_change = self._engines_changed
+        return cluster
 
-    def note_engines(self, why: str = "the workers were restarted") -> None:
-        """After anything that may have replaced the engines: say what was lost, once."""
-        if self._engine_ids() == self._engines:
+    def begin_prestart(self, preload: str | None) -> None:
+        """Begin starting the default workers in the background (``%load_ext``)."""
+        if (
+            self.cluster.running
+            or self.prestart is not None
+            or not isinstance(self.cluster, LocalCluster)
+        ):
             return
-        if self.variables:
-            self._notify(
-                f"nbdist: {why}; their variables ({', '.join(self.variables)}) are gone: "
+        self.cluster.preload = preload
+        self.prestart = Prestart(self.cluster)
+        self.prestart.begin()
+
+    def ready(self) -> None:
+        """Whatever the background start left: its notices shown, its client attached."""
+        if self.prestart is not None:
+            self.prestart.finish()
+
+    @property
+    def background_error(self) -> BaseException | None:
+        """Why the background start failed (None if it did not, or was never begun)."""
+        return None if self.prestart is None else self.prestart.error
+
+    def ensure(self, n: int | None, *, preload: str | None = None) -> None:
+        """Workers ready for a cell on ``n`` of them: the background start's error raised once,
+        engines that died since the last cell replaced, late engines ranked, the cluster
+        started or resized."""
+        if self.prestart is not None:
+            self.prestart.raise_error()
+        cluster = self.cluster
+        if preload is not None:
+            cluster.preload = preload  # engines started from here on import it as they start
+        self.replace_dead()
+        if cluster.running and cluster.newcomers():
+            cluster.take_newcomers()
+            self.apply_changes()
+        if not cluster.running:
+            self.exposure_told = False
+        cluster.ensure(n, note="the workers were restarted or resized")
+        self.apply_changes()
+
+    def start(self, n: int | None) -> None:
+        """``%distrain start``: start the workers, or resize the running ones."""
+        self.ready()
+        cluster = self.cluster
+        if cluster.running:
+            cluster.ensure(n, note="the workers were resized")
+        else:
+            if self.prestart is not None:
+                self.prestart.raise_error()
+            self.exposure_told = False
+            cluster.ensure(n)
+        self.apply_changes()
+
+    def restart(self, n: int | None) -> None:
+        self.ready()
+        self.exposure_told = False
+        self.cluster.restart(n)
+        self.apply_changes()
+
+    def stop(self) -> str:
+        """``%distrain stop``: a local cluster stops, a connected one is left (its engines keep
+        running) for a local one not started yet. What happened, in words."""
+        cluster = self.cluster
+        if self.prestart is not None:
+            self.prestart.cancel()
+        was = cluster.running
+        cluster.stop()
+        self.apply_changes()
+        if isinstance(cluster, ConnectedCluster):
+            self.cluster = self._local()
+            return (
+                "nbdist: disconnected; the connected cluster's engines keep running"
+                if was
+                else "nbdist: no cluster was running"
+            )
+        return "nbdist: cluster stopped" if was else "nbdist: no cluster was running"
+
+    def connect(self, **how: Any) -> None:
+        """``%distrain connect``: attach to a cluster started elsewhere; its engines become the
+        workers (the local ones, or a background start, are left first)."""
+        if self.prestart is not None:
+            self.prestart.cancel()  # workers begun at %load_ext are not wanted now
+        old = self.cluster
+        connected = ConnectedCluster(notify=self.notify)
+        connected.on_change = self._engines_changed
+
+        def leave() -> None:
+            if old.running:
+                self.notify("nbdist: leaving the current cluster for the one to connect to")
+                old.stop(note="the notebook left its workers for the connected cluster")
+
+        connected.connect(before=leave, **how)
+        self.cluster = connected
+        self.exposure_told = False
+        self.apply_changes()
+
+    def close(self) -> None:
+        if self.prestart is not None:
+            self.prestart.cancel()
+        self.cluster.stop()
+
+    def status_text(self) -> str:
+        self.ready()
+        return self.cluster.status_text(self.warm)
+
+    def _engines_changed(self, note: str | None) -> None:
+        """The cluster's engines changed: what was set up on them is gone; the variables are
+        forgotten at the next :meth:`apply_changes` (with ``note`` told), or by the cell that
+        caused it (None: its error tells)."""
+        self.warm.clear()
+        self.rendezvous.clear()
+        self._changes.append(note)
+
+    def apply_changes(self) -> None:
+        """After anything that may have changed the engines: say what was lost, once."""
+        if not self._changes:
+            return
+        notes = [n for n in self._changes if n]
+        if notes and self.variables:
+            self.notify(
+                f"nbdist: {notes[0]}; their variables ({', '.join(self.variables)}) are gone: "
                 "re-run the cells that build them."
             )
         self.forget()
 
+    # -- the workers' state ----------------------------------------------------------------------
+    def forget(self) -> None:
+        """The workers hold nothing any more (reset, restart, a rebuilt group)."""
+        self.variables, self.cells, self.curve, self.curve_key = [], [], [], None
+        self._changes = []
+
+    def replace_dead(self) -> None:
+        """Engines that died since the last cell (a worker that exited, ``kill -9``, the
+        out-of-memory killer) are named, and the engines replaced (on a connected cluster: the
+        others go on), before anything runs."""
+        cluster = self.cluster
+        if not cluster.running or not cluster.engines or cluster.stale:
+            return  # a connected cluster that needs a restart has said so already
+        dead = cluster.dead(range(cluster.size))
+        if not dead:
+            return
+        cluster.replace_dead(dead, cluster.gone_text(dead, when=" after its last cell"))
+        self.apply_changes()
+
     def drop(self, framework: str, why: str) -> None:
         """Every worker drops its variables and its part of the group, with a notice."""
-        names = failures.drop(self.cluster, framework, list(range(self.cluster.size)))
+        names = cell.drop(self.cluster, self.rendezvous, framework, list(range(self.cluster.size)))
         if names:
-            self._notify(f"nbdist: {why}; the workers' variables ({', '.join(names)}) were dropped")
+            self.notify(f"nbdist: {why}; the workers' variables ({', '.join(names)}) were dropped")
         self.forget()
 
     def report_findings(self, source: str, workers: int | None, *, quiet: bool = True) -> list:
@@ -106,12 +251,16 @@ class Session:
             gpus = sum(e.gpu is not None for e in self.cluster.engines)
         else:
             gpus = len(visible_gpus())
-        context = CheckContext(world_size=workers or default_workers(), gpus=gpus)
+        context = CheckContext(
+            world_size=workers or default_workers(),
+            gpus=gpus,
+            earlier=tuple(c.source for c in self.cells if c.kind == "cell"),
+        )
         findings = check_source(source, context)
         for finding in findings:
-            self._notify(str(finding))
+            self.notify(str(finding))
         if not findings and not quiet:
-            self._notify("nbdist check: no distributed-training mistakes found")
+            self.notify("nbdist check: no distributed-training mistakes found")
         return findings
 
     # -- a cell ----------------------------------------------------------------------------------
@@ -139,214 +288,55 @@ class Session:
             return self._run(single, source, tree, user_ns)[0]
 
         scan = run_scan(
-            run, opts.scan, plot=opts.plot, display=self._display,
+            run, opts.scan, plot=opts.plot, display=self.display,
             out=lambda text: print(text, file=self.out),
         )  # fmt: skip
         if opts.out is not None:
             user_ns[opts.out] = scan
         return scan
 
-    def _plan(
-        self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
-    ) -> tuple[str, int, list[RankSpec], list[RankSpec]]:
-        """Check the flags, have the cluster and the rendezvous ready; (framework, world size,
-        one spec per rank that runs the cell, the specs of the ranks ``--on`` leaves out)."""
-        framework = prepare.choose_framework(tree, opts, self.framework)
-        prepare.check_flags(opts, framework)
-        push = prepare.check_push(opts.push, user_ns)
-        if opts.check:
-            self.report_findings(source, opts.workers or self.cluster.size or None)
-        cluster = self.cluster
-        options = prepare.backend_options(opts)
-        if opts.workers is not None or not cluster.running:  # known before touching the cluster
-            expected = opts.workers or default_workers()
-            _check_ranks(opts, backends.load(framework).workers_used(options, expected))
-        if not cluster.running:
-            prepare.check_gpus(opts, gpus=bool(visible_gpus()))
-            check_tf_exposure_before_start(framework, options, allowed=opts.expose_tf)
-        cluster.preload = framework  # engines started from here on import it as they start
-        cluster.ensure(opts.workers)
-        self.note_engines("the workers were restarted or resized")
-        prepare.check_gpus(opts, gpus=any(e.gpu for e in cluster.engines))
-        available = cluster.size
-        if opts.workers is not None:  # a connected cluster may have more engines than asked for
-            available = min(opts.workers, available)
-        world = backends.load(framework).workers_used(options, available)
-        check_tf_exposure(cluster, framework, options, allowed=opts.expose_tf, notify=self._notify)
-        _check_ranks(opts, world)
-        prepare.warm_up(cluster, framework)
-        live = cluster.rendezvous.get(framework)
-        if live is not None and live.key != prepare.rendezvous_key(cluster, framework, opts, world):
-            self.drop(framework, "a new process group was needed for these flags")
-        envs = prepare.rendezvous(cluster, framework, opts, world, options)
-        self.note_engines("the workers were restarted")
-        self.framework = framework
-        self._run_id += 1
-        job_ranks = list(opts.on) if opts.on is not None else list(range(world))
-        every = [
-            RankSpec(
-                run_id=self._run_id,
-                framework=framework,
-                source=source,
-                filename=f"<%%distrain cell {self._run_id}>",
-                rank=e.rank,
-                world_size=world,
-                local_rank=e.local_rank,
-                local_world_size=min(e.local_world_size, world),
-                env=envs[e.rank],
-                options=options,
-                push=push,
-                pull=opts.pull if e.rank == job_ranks[0] else (),
-                autolog=opts.autolog,
-                fresh=opts.fresh,
-            )
-            for e in cluster.engines[:world]
-        ]
-        specs = [every[r] for r in job_ranks]
-        left_out = [s for s in every if s.rank not in job_ranks]
-        return framework, world, specs, left_out
-
     def _run(
         self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
     ) -> tuple[DistrainResult, Any]:
-        framework, world, specs, left_out = self._plan(opts, source, tree, user_ns)
-        live_view = LiveView(
-            len(specs),
-            plot=opts.plot,
-            smoothing=opts.smoothing,
-            display=self._display,
-            interrupt_path=self.interrupt_path,
-            expect_metrics=may_log(tree, opts.autolog),
-            logy=opts.logy,
-            earlier=self.curve,
-            hosts=[self.cluster.engines[s.rank].host for s in specs],
-        )
-        self.view = live_view
-        job = Job(self.cluster, specs, opts=opts, live=live_view, out=self.out, err=self.err,
-                  world=world, left_out=left_out)  # fmt: skip
-        try:
-            return self._finish(job, framework, world, opts, source, user_ns)
-        except KeyboardInterrupt:
-            # An interrupt outside the watch loop's own handling (a second one while the ranks
-            # were being stopped, or one while the results were being shown): stop what may
-            # still run and leave a clean session, never a raw traceback or a half state.
-            raise self._interrupted(job, framework) from None
-
-    def _interrupted(self, job: Job, framework: str) -> JobInterrupted:
-        self.cluster.rendezvous.pop(framework, None)  # whatever the ranks did: a new group
-        names: list[str] = []
-        try:
-            # Not when clean-up replaced the engines and was interrupted: the cluster is stopped
-            # then (see LocalCluster.replace_engines), and the next cell starts a new one.
-            if self.cluster.running and max(job.ranks) < self.cluster.size:
-                self.cluster.interrupt(job.ranks)
-                names = failures.drop(self.cluster, framework, list(range(self.cluster.size)))
-        except KeyboardInterrupt:  # yet another: the rendezvous is gone already, that is enough
-            pass
-        lost = sorted({*names, *self.variables})
-        self.forget()
-        error = JobInterrupted(
-            "interrupted (Stop button or Kernel > Interrupt); stopped ranks "
-            f"{', '.join(map(str, job.ranks))}."
-        )
-        state = "dropped" if self.cluster.running else "stopped"
-        error.state = failures.state_line(state, lost, connected_stale=self.cluster.stale)
-        return error
-
-    def _finish(
-        self,
-        job: Job,
-        framework: str,
-        world: int,
-        opts: RunOptions,
-        source: str,
-        user_ns: dict[str, Any],
-    ) -> tuple[DistrainResult, Any]:
-        """Run the job, settle the session, show the results; the value to show."""
-        live_view = job.live
-        specs = job.specs
-        outcome = job.run()
-        state, dropped = failures.settle(self.cluster, outcome, framework)
-        meta = outcome.meta
-        detail = (
-            f", global batch {meta['global_batch']} = {meta['per_replica_batch']} per replica "
-            f"x {len(specs)}"
-            if meta.get("global_batch")
-            else ""
-        )
-        summary = live_view.finish(
-            outcome.history, states(outcome.ars, outcome.watch), wall=outcome.wall,
-            framework=framework, detail=detail,
-        )  # fmt: skip
-        if summary is not None:
-            print(summary, file=self.out, flush=True)
-        segment = live_view.agg.segment()
-        if segment is not None:
-            self.curve.append(segment)
-        show_displays(outcome.ars, outcome.ranks, self._publish)
-        error = failures.error_for(outcome, opts)
-        if state in ("dropped", "replaced"):
-            lost = sorted({*dropped, *self.variables}) if state == "replaced" else dropped
+        """One cell, and its outcome applied to the session."""
+        self.ready()
+        done = Cell(self, opts, source, tree, user_ns).run()
+        if done.state in (SessionState.DROPPED, SessionState.REPLACED, SessionState.STOPPED):
             self.forget()
-            if error is not None:
-                error.state = failures.state_line(state, lost, connected_stale=self.cluster.stale)
-        elif error is not None:
-            error.state = failures.state_line(state, [], connected_stale=self.cluster.stale)
-        if error is not None:
-            raise error
-        reports = outcome.reports
+        if done.error is not None and done.result is None:
+            raise done.error
         if not opts.fresh:
-            names = reports[0].names
-            self.variables = names if opts.on is None else sorted({*self.variables, *names})
+            self.variables = (
+                done.names if opts.on is None else sorted({*self.variables, *done.names})
+            )
         self.cells.append(
             CellRecord(
                 source=source,
-                framework=framework,
-                world_size=world,
+                framework=done.result.framework,
+                world_size=done.plan.world,
                 autolog=opts.autolog,
-                push=specs[0].push,
+                push=done.plan.specs[0].push,
                 strategy=opts.strategy,
                 backend=opts.backend,
                 fresh=opts.fresh,
                 on=opts.on,
+                nodes=_nodes(self.cluster.engines[: done.plan.world]),
             )  # fmt: skip
         )
-        result = _result(outcome, framework)
-        pull_errors = [r.pull_error for r in reports.values() if r.pull_error]
-        if pull_errors:
-            raise UsageError(f"%%distrain: {pull_errors[0]} (the cell itself ran).")
-        user_ns.update(reports[0].pulled)
-        return result, shown_value(result)
+        if done.error is not None:  # a graceful stop: the cell is taken in, then the notice
+            raise done.error
+        if done.pull_error is not None:
+            raise UsageError(f"%%distrain: {done.pull_error} (the cell itself ran).")
+        user_ns.update(done.pulled)
+        return done.result, shown_value(done.result)
 
 
-def _result(outcome: Outcome, framework: str) -> DistrainResult:
-    reports = outcome.reports
-    return DistrainResult(
-        framework=framework,
-        world_size=len(outcome.ranks),
-        wall=outcome.wall,
-        ranks=tuple(
-            RankResult(
-                rank=rank,
-                host=reports[p].host,
-                value=reports[p].value,
-                value_repr=reports[p].value_repr,
-                wall=reports[p].wall,
-                stdout=outcome.ars[p].stdout or "",
-                stderr=outcome.ars[p].stderr or "",
-            )
-            for p, rank in enumerate(outcome.ranks)
-        ),
-        history=tuple({**h, "rank": outcome.ranks[h["rank"]]} for h in outcome.history),
-    )
-
-
-def _check_ranks(opts: RunOptions, world: int) -> None:
-    for flag, ranks in (("--ranks", opts.ranks), ("--on", opts.on)):
-        if ranks is not None and max(ranks) >= world:
-            raise UsageError(
-                f"%%distrain: {flag} {max(ranks)} does not exist; ranks go from 0 to {world - 1}."
-            )
+def _nodes(engines: Any) -> tuple[tuple[str, str, str | None, int], ...]:
+    """The machines ``engines`` run on, in rank order: (hostname, address, interface, count)."""
+    nodes: dict[str, list[Any]] = {}
+    for e in engines:
+        nodes.setdefault(e.address, []).append(e)
+    return tuple((es[0].host, a, es[0].interface, len(es)) for a, es in nodes.items())
 
 
 def shown_value(result: DistrainResult) -> Any:
@@ -355,7 +345,10 @@ def shown_value(result: DistrainResult) -> Any:
     ranks = result.ranks
     if all(r.value_repr is None for r in ranks):
         return None
-    if all(r.value_repr == ranks[0].value_repr for r in ranks) and _same(ranks):
+    # A value whose repr holds a memory address (<History object at 0x7fcf...>) is the same
+    # on every rank when nothing else differs.
+    first_repr = without_addresses(ranks[0].value_repr or "")
+    if all(without_addresses(r.value_repr or "") == first_repr for r in ranks) and _same(ranks):
         first = ranks[0]
         return first.value if first.value is not None else _Repr(first.value_repr)
     return PerRank(
@@ -380,12 +373,6 @@ class _Repr:
 
     def __repr__(self) -> str:
         return self.text
-
-
-def may_log(tree: ast.Module, autolog: bool) -> bool:
-    """Whether the cell records metrics: it calls ``log``, or autolog sees ``backward``/``fit``."""
-    names = ("log", "backward", "fit") if autolog else ("log",)
-    return any(calls(tree, *names))
 
 
 def _ipython_display(*objs: Any, **kwargs: Any) -> Any:

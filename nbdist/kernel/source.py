@@ -6,12 +6,6 @@ import ast
 
 from IPython.core.error import UsageError
 
-# Top-level module names (imports) and bare names a cell of each framework uses.
-_FRAMEWORK_MARKERS = {
-    "torch": {"torch", "nn", "dist", "DistributedDataParallel", "DDP"},
-    "tf": {"tensorflow", "tf", "keras", "strategy"},
-}
-
 
 def parse_cell(source: str) -> ast.Module:
     """Parse the cell, or raise ``UsageError`` naming the line, before any engine is involved."""
@@ -30,14 +24,22 @@ def parse_cell(source: str) -> ast.Module:
         ) from None
 
 
-def used_frameworks(tree: ast.Module) -> set[str]:
-    """Frameworks the cell's imports and names point at."""
+def imported_modules(tree: ast.AST) -> set[str]:
+    """The top-level packages the cell imports (``transformers`` for ``from transformers.x
+    import y``)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Name):
-            names.add(node.id)
-    return {fw for fw, markers in _FRAMEWORK_MARKERS.items() if names & markers}
+    return names
+
+
+def used_frameworks(tree: ast.Module) -> set[str]:
+    """Frameworks the cell's imports and names point at."""
+    names = imported_modules(tree)
+    names.update(node.id for node in ast.walk(tree) if isinstance(node, ast.Name))
+    from nbdist.engine import backends
+
+    return {b.NAME for b in backends.all_backends() if names & b.CELL_NAMES}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from nbdist.protocol import Reason, Stall
 
 IDLE_CPU_SHARE = 0.1  # below 10% of one core, an engine counts as waiting, not working
 
@@ -15,13 +16,14 @@ class Watch:
     Ranks here are positions in the job (``Job.ranks[i]`` is the session rank).
     """
 
-    reason: str | None = None  # "failure", "timeout", "stalled", "interrupt", "died"
+    reason: Reason | None = None
     since: float = 0.0
     interrupted: bool = False
-    stalled: dict[str, Any] = field(default_factory=dict)  # who stalled, when, at which step
+    stalled: Stall | None = None  # who stalled, when, at which step
     progress: dict[int, float] = field(default_factory=dict)  # rank -> last progress (monotonic)
     first_progress: float | None = None
     killed: list[int] = field(default_factory=list)
+    abandoned: list[int] = field(default_factory=list)  # still running: not nbdist's to kill
     dead: list[int] = field(default_factory=list)
     # Before any progress: each rank's engine CPU time at the last sample, and when it was last
     # seen using the CPU. Every rank idle for the stall limit = they wait on each other.
@@ -57,6 +59,6 @@ class Watch:
             and all(r in self.busy_at and now - self.busy_at[r] > limit for r in pending)
         )
 
-    def start(self, reason: str, now: float) -> None:
+    def start(self, reason: Reason, now: float) -> None:
         if self.reason is None:
             self.reason, self.since = reason, now

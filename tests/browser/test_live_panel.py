@@ -1,39 +1,33 @@
-"""A person's view: JupyterLab in Debian's Chromium, driven by Playwright.
+"""A person's view: JupyterLab and Notebook 7 in Debian's Chromium, driven by Playwright.
 
-Runs a ``%%distrain`` cell in a real JupyterLab and reads the page: the live panel's step grows
-while the cell trains, Stop (which asks the server to interrupt the kernel) stops every rank, and
-the final figure and summary appear. Screenshots go
-to ``build/browser/``.
+Runs a ``%%distrain`` cell in a real front end and reads the page: the live panel's step grows
+while the cell trains, Stop (which asks the server to interrupt the kernel) stops every rank
+after the same step, the final figure and summary appear, the next cell finds the replicas
+identical, and the notebook, saved as a person saves it, is valid.
+Screenshots go to ``build/browser/``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import nbformat
 import pytest
 
+from tests.browser.jupyter import (
+    CHROMIUM,
+    SHOTS,
+    Jupyter,
+    launch,
+    open_notebook,
+    outputs,
+    run_cell,
+    save,
+    write_notebook,
+)
+
 pytestmark = [pytest.mark.browser, pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-SHOTS = Path(__file__).parents[2] / "build" / "browser"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 CELL = """%%distrain -n 2 --framework torch
 import time
 model = nn.parallel.DistributedDataParallel(nn.Linear(16, 1))
@@ -48,64 +42,16 @@ for step in range(100_000):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def lab(tmp_path):
+@pytest.fixture(params=["lab", "notebook"], ids=["jupyterlab", "notebook7"])
+def front_end(request, tmp_path):
     if CHROMIUM is None:
         pytest.skip("no Chromium found: install Debian's chromium (apt-get install chromium)")
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser needed)")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
-    nb = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell("%load_ext nbdist"), nbformat.v4.new_code_cell(CELL)]
-    )
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, tmp_path / "panel.ipynb")
-    port, token = _free_port(), "nbdist-browser-test"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--allow-root",
-            "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={tmp_path}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("JupyterLab did not start on loopback within 60 s")
-            time.sleep(0.5)
-    yield base, token
-    # Shut the kernels down the way JupyterLab does, so nbdist's exit handling runs.
-    kernels = json.load(urllib.request.urlopen(f"{base}/api/kernels?token={token}"))
-    for k in kernels:
-        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}?token={token}", method="DELETE")
-        urllib.request.urlopen(req, timeout=30)
-    server.terminate()
-    server.wait(timeout=30)
+    pytest.importorskip("jupyterlab" if request.param == "lab" else "notebook")
+    write_notebook(tmp_path / "panel.ipynb", ["%load_ext nbdist", CELL, "%distrain compare model"])
+    server = Jupyter(tmp_path, request.param)
+    yield server
+    server.stop()
 
 
 def _step_of_rank0(page) -> int:
@@ -113,21 +59,17 @@ def _step_of_rank0(page) -> int:
     return int(text) if text.strip() else -1
 
 
-def test_panel_updates_and_stop_ends_the_run(lab):
+def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_end):
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
+    app = front_end.app
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser = launch(p)
         page = browser.new_page(viewport={"width": 1280, "height": 1000})
-        page.goto(f"{base}/lab/tree/panel.ipynb?token={token}")
-        page.locator(".jp-Notebook .jp-Cell").first.click(timeout=60_000)
-        page.wait_for_selector(
-            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
-        )
-        page.keyboard.press("Shift+Enter")
-        page.keyboard.press("Shift+Enter")
+        open_notebook(page, front_end, "panel.ipynb")
+        run_cell(page, 0)
+        run_cell(page, 1, wait=False)
 
         page.wait_for_selector(".jp-OutputArea table", timeout=120_000)
         deadline = time.monotonic() + 120
@@ -137,29 +79,46 @@ def test_panel_updates_and_stop_ends_the_run(lab):
         first = _step_of_rank0(page)
         time.sleep(3)
         second = _step_of_rank0(page)
-        page.screenshot(path=str(SHOTS / "1_training.png"))
+        page.screenshot(path=str(SHOTS / f"{app}_1_training.png"))
         assert second > first, f"the step shown did not grow: {first} then {second}"
 
+        stop = page.get_by_role("button", name="Stop after this step")
         clicked = time.monotonic()
-        page.get_by_role("button", name="Stop").click()
+        stop.click()
         try:
-            page.get_by_text("stopped ranks 0, 1").wait_for(timeout=30_000)
+            page.get_by_text("every rank stopped after step").wait_for(timeout=30_000)
         except Exception:
-            page.screenshot(path=str(SHOTS / "2_stop_timed_out.png"))
+            page.screenshot(path=str(SHOTS / f"{app}_2_stop_timed_out.png"))
             button = page.locator(".jp-OutputArea button").last.inner_text()
-            outputs = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea").inner_text()
-            (SHOTS / "2_stop_timed_out.txt").write_text(outputs)
+            text = outputs(page, 1).inner_text()
+            (SHOTS / f"{app}_2_stop_timed_out.txt").write_text(text)
             pytest.fail(
-                f"no 'stopped ranks' 30 s after Stop; the button says {button!r}; the cell's "
-                f"outputs end with: {outputs[-3000:]}"
+                f"no 'stopped after step' 30 s after Stop; the button says {button!r}; the cell's "
+                f"outputs end with: {text[-3000:]}"
             )
         stopped_after = time.monotonic() - clicked
         page.get_by_text("nbdist: final loss").wait_for(timeout=30_000)
-        page.screenshot(path=str(SHOTS / "2_stopped.png"))
+        page.screenshot(path=str(SHOTS / f"{app}_2_stopped.png"))
         # One figure: the static one took the live widgets' place (its own image included).
-        outputs = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea")
-        assert outputs.locator(".jp-RenderedImage img").count() == 1
-        assert outputs.locator("img").count() == 1
-        assert outputs.locator(".jupyter-widgets").count() == 0
+        cell_outputs = outputs(page, 1)
+        assert cell_outputs.locator(".jp-RenderedImage img").count() == 1
+        assert cell_outputs.locator("img").count() == 1
+        assert cell_outputs.locator(".jupyter-widgets").count() == 0
+        # ...and it is a picture the browser could decode (a broken image has no width).
+        width = cell_outputs.locator("img").evaluate("img => img.naturalWidth")
+        assert width > 100
         assert stopped_after < 10
+        assert "The workers' variables are kept" in cell_outputs.inner_text()
+        # The model the stop kept, in the next cell: the same on both ranks.
+        run_cell(page, 2)
+        compared = outputs(page, 2).inner_text()
+        page.screenshot(path=str(SHOTS / f"{app}_3_compared.png"))
+        assert "model: identical on 2 ranks" in compared, compared
+
+        save(page)
         browser.close()
+    saved = nbformat.read(front_end.root / "panel.ipynb", as_version=4)
+    nbformat.validate(saved)
+    images = [o for o in saved.cells[1].outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 1 and isinstance(images[0]["data"]["image/png"], str)
+    assert "Notebook JSON is invalid" not in front_end.server_log()

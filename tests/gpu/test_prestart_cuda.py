@@ -63,6 +63,6 @@ def test_prestarted_engines_touch_no_cuda_until_the_first_cell(shell, monkeypatc
         assert all(g < CONTEXT_MIB for g in grew), f"GPU memory grew by {grew} MiB"
 
         magics.distrain("-o res", "(torch.cuda.is_initialized(), str(device))\n")
-        assert shell.user_ns["res"].values == [(True, "cuda:0")] * cluster.size
+        assert shell.user_ns["res"].values == [(True, f"cuda:{r}") for r in range(cluster.size)]
     finally:
         magics.close()

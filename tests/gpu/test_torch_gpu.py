@@ -24,8 +24,8 @@ MiB = 2**20
 
 # On each engine, outside any cell: its CUDA_VISIBLE_DEVICES, whether torch is imported, and
 # what the CUDA driver answers to a device count. CUDA_ERROR_NOT_INITIALIZED (3) means nothing in
-# the process has called cuInit yet, so the CUDA_VISIBLE_DEVICES set at pinning is what CUDA
-# will read. Loading libcuda to ask does not initialise it.
+# the process has called cuInit yet, so the CUDA_VISIBLE_DEVICES nbdist set is what CUDA will
+# read. Loading libcuda to ask does not initialise it.
 PROBE = textwrap.dedent(
     """
     import ctypes, os, sys
@@ -44,7 +44,7 @@ TRAIN = textwrap.dedent(
     xs, ys = X[rank::world_size].to(device), Y[rank::world_size].to(device)
     torch.manual_seed(rank)  # different initial weights on each rank: DDP makes them equal
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
-    model = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step in range(STEPS):
@@ -111,7 +111,7 @@ def settled_gpu_memory(cluster):
     readings 0.3 s apart mean it has let go of them."""
     last = None
     for _ in range(40):
-        now = [m["gpu"] for m in engine_memory(cluster)]
+        now = [m.gpu for m in engine_memory(cluster)]
         if now == last:
             return now
         last = now
@@ -127,7 +127,7 @@ def magics(shell):
 @pytest.fixture(scope="module")
 def on_gpus(shell, magics, gpus):
     """A fresh cluster with one worker per visible GPU, its engines importing torch as they
-    start (as for a first %%distrain cell), before nbdist pins each to its GPU."""
+    start (as for a first %%distrain cell), before nbdist gives each its GPUs."""
     shell.run_line_magic("distrain", "stop")  # whatever another module left running
     magics.cluster.preload = "torch"
     shell.run_line_magic("distrain", f"start -n {len(gpus)}")
@@ -135,20 +135,21 @@ def on_gpus(shell, magics, gpus):
     shell.run_line_magic("distrain", "stop")
 
 
-def test_each_engine_is_pinned_to_its_gpu_before_cuda_starts(on_gpus, magics, gpus):
+def test_each_engine_sees_the_gpus_before_cuda_starts(on_gpus, magics, gpus):
     assert [e.gpu for e in magics.cluster.engines] == gpus
+    visible = ",".join(gpus)
     assert on_engines(magics.cluster, PROBE) == [
-        (gpu, True, CUDA_ERROR_NOT_INITIALIZED) for gpu in gpus
+        (visible, True, CUDA_ERROR_NOT_INITIALIZED) for _ in gpus
     ]
 
 
-def test_nccl_is_the_default_and_each_rank_has_cuda_0(on_gpus, gpus):
+def test_nccl_is_the_default_and_each_rank_has_cuda_of_its_local_rank(on_gpus, gpus):
     cell = textwrap.dedent(
         """
         import os
         t = torch.ones(1, device=device) * (rank + 1)
         dist.all_reduce(t)
-        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
         (dist.get_backend(), str(device), torch.cuda.device_count(), torch.cuda.current_device(),
          os.environ["CUDA_VISIBLE_DEVICES"], t.item(), uuid)
         """
@@ -156,8 +157,9 @@ def test_nccl_is_the_default_and_each_rank_has_cuda_0(on_gpus, gpus):
     on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", cell)
     values = on_gpus.user_ns["res"].values
     n = len(gpus)
+    # As under torchrun: every rank sees the GPUs, and uses the one of its local rank.
     assert [v[:6] for v in values] == [
-        ("nccl", "cuda:0", 1, 0, gpu, n * (n + 1) / 2) for gpu in gpus
+        ("nccl", f"cuda:{r}", n, r, ",".join(gpus), n * (n + 1) / 2) for r in range(n)
     ]
     assert len({v[6] for v in values}) == n  # n different physical GPUs
 
@@ -189,7 +191,7 @@ def test_fsdp2_trains_on_the_gpus(on_gpus, gpus):
 
 
 def test_status_names_each_gpu_and_the_memory_in_use(on_gpus, magics, gpus, capsys):
-    cell = "held = torch.ones(64 * 2**20 // 4, device=device)\ntorch.cuda.get_device_name(0)\n"
+    cell = "held = torch.ones(64 * 2**20 // 4, device=device)\ntorch.cuda.get_device_name(device)\n"
     on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", cell)
     names = on_gpus.user_ns["res"].values
     capsys.readouterr()
@@ -227,7 +229,7 @@ def test_reset_gives_the_gpu_memory_back(on_gpus, magics):
 
     cell = "big = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)\n" + train_cell(20)
     on_gpus.run_cell_magic("distrain", CELL_LIMIT, cell)
-    during = [m["gpu"] for m in engine_memory(cluster)]
+    during = [m.gpu for m in engine_memory(cluster)]
     assert all(d >= b + 512 * MiB for d, b in zip(during, base, strict=True))
 
     on_gpus.run_line_magic("distrain", "reset")
@@ -237,16 +239,18 @@ def test_reset_gives_the_gpu_memory_back(on_gpus, magics):
     assert all(a < b + 512 * MiB for a, b in zip(after_reserved, base_reserved, strict=True))
 
 
-def test_more_workers_than_gpus_is_a_usage_error(on_gpus, magics, gpus):
+def test_more_workers_than_gpus_run_on_the_cpu_and_nccl_is_refused(on_gpus, magics, gpus, capsys):
     n = len(gpus)
-    with pytest.raises(UsageError) as info:
-        on_gpus.run_cell_magic("distrain", f"-n {n + 1} --backend nccl", "x = 1\n")
-    assert str(info.value) == (
-        f"%%distrain: -n {n + 1} asks for more workers than the {n} visible GPUs "
-        f"(one worker per GPU); use -n {n}."
+    capsys.readouterr()
+    on_gpus.run_cell_magic("distrain", f"-n {n + 1} -o res", "(str(device), dist.get_backend())")
+    assert on_gpus.user_ns["res"].values == [("cpu", "gloo")] * (n + 1)
+    assert "the workers use the CPU (gloo), since with nccl each needs a GPU of its own" in (
+        capsys.readouterr().out
     )
-    assert magics.cluster.size == n
-    assert on_gpus.run_cell_magic("distrain", "-o res", "world_size") == n
+    with pytest.raises(UsageError, match="--backend nccl needs GPUs and this cluster has none"):
+        on_gpus.run_cell_magic("distrain", f"-n {n + 1} --backend nccl", "x = 1\n")
+    on_gpus.run_cell_magic("distrain", f"-n {n} -o res", "str(device)")
+    assert on_gpus.user_ns["res"].values == [f"cuda:{r}" for r in range(n)]
 
 
 def test_gloo_on_gpu_engines(on_gpus, gpus):
@@ -255,7 +259,7 @@ def test_gloo_on_gpu_engines(on_gpus, gpus):
         import os
         t = torch.ones(1) * (rank + 1)
         dist.all_reduce(t)
-        c = torch.ones(1, device="cuda:0") * (rank + 1)  # gloo reduces CUDA tensors too
+        c = torch.ones(1, device=f"cuda:{local_rank}") * (rank + 1)  # gloo reduces CUDA too
         dist.all_reduce(c)
         (dist.get_backend(), str(device), t.item(), c.item(), torch.cuda.device_count(),
          os.environ["CUDA_VISIBLE_DEVICES"])
@@ -264,7 +268,8 @@ def test_gloo_on_gpu_engines(on_gpus, gpus):
     on_gpus.run_cell_magic("distrain", f"--backend gloo -o res {CELL_LIMIT}", cell)
     n = len(gpus)
     total = n * (n + 1) / 2
-    assert on_gpus.user_ns["res"].values == [("gloo", "cpu", total, total, 1, gpu) for gpu in gpus]
+    visible = ",".join(gpus)
+    assert on_gpus.user_ns["res"].values == [("gloo", "cpu", total, total, n, visible)] * n
 
 
 def test_a_rank_that_raises_is_reported_and_the_next_gpu_cell_works(on_gpus, gpus):

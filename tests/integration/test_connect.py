@@ -14,12 +14,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 from IPython.core.error import UsageError
 
 from nbdist import ClusterError
-from nbdist.kernel.cluster import LocalCluster
+from nbdist.kernel.connected import ConnectedCluster
 from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -44,6 +43,7 @@ def elsewhere(tmp_path_factory):
             [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", *common],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
     ]
     _wait_for(profile / "security" / f"ipcontroller-{CLUSTER_ID}-engine.json")
@@ -54,21 +54,43 @@ def elsewhere(tmp_path_factory):
                 env=os.environ | {"NBDIST_ADDRESS": address},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         )
     yield profile, procs
+    # Each in a process group of its own (start_new_session): an engine's nanny, orphaned when
+    # a test killed its engine, is still in the group and goes with it.
     for p in procs:
-        p.terminate()
-    _, alive = psutil.wait_procs([psutil.Process(p.pid) for p in procs if p.poll() is None], 3)
-    for p in alive:
-        p.kill()
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.wait(5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
 def connected(shell, elsewhere):
     profile, _ = elsewhere
     shell.run_line_magic(
-        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60"
+        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60 -n 2"
     )
     yield shell
     shell.run_line_magic("distrain", "stop")
@@ -86,8 +108,9 @@ def test_engines_grouped_by_reachable_address(connected, magics, capsys):
     ]
     connected.run_line_magic("distrain", "status")
     out = capsys.readouterr().out
-    assert "nbdist: 2 workers on 2 hosts, a connected ipyparallel cluster (profile default, " \
-        f"cluster id {CLUSTER_ID})" in out  # fmt: skip
+    folder = magics.cluster.connected_with["profile_dir"]
+    assert "nbdist: 2 workers on 2 hosts, a connected ipyparallel cluster (profile folder " \
+        f"{folder}, cluster id {CLUSTER_ID})" in out  # fmt: skip
     assert "(127.0.0.2): 1 engine, ranks 0-0, GPUs none" in out
     assert "(127.0.0.3): 1 engine, ranks 1-1, GPUs none" in out
 
@@ -168,9 +191,10 @@ def test_a_restart_the_connected_engines_need_refuses_further_cells(connected, e
     refusal = (
         "the workers need a restart (TensorFlow in these workers already ran multiworker "
         "collectives and cannot switch to mirrored in the same process), and nbdist does not "
-        "start or stop the engines of a connected ipyparallel cluster (profile default, cluster "
-        f"id {CLUSTER_ID}). Restart them where they were started (e.g. ipcluster stop / "
-        "ipcluster start --profile NAME), then %distrain connect again."
+        f"start or stop the engines of a connected ipyparallel cluster (profile folder {profile}, "
+        f"cluster id {CLUSTER_ID}). Restart them with ipcluster stop --profile-dir {profile} "
+        f"--cluster-id {CLUSTER_ID}; ipcluster start --profile-dir {profile} --cluster-id "
+        f"{CLUSTER_ID}, then %distrain connect --profile-dir {profile} --cluster-id {CLUSTER_ID}."
     )
     with pytest.raises(ClusterError) as e:
         connected.run_cell_magic("distrain", "--framework tf --strategy mirrored", "x = 1")
@@ -179,7 +203,7 @@ def test_a_restart_the_connected_engines_need_refuses_further_cells(connected, e
         connected.run_cell_magic("distrain", "--framework torch", "x = 1")
     assert str(e.value) == refusal
     connected.run_line_magic(
-        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60"
+        "distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID} --timeout 60 -n 2"
     )
     connected.run_cell_magic("distrain", "-o res --framework torch", "rank")
     assert connected.user_ns["res"].values == [0, 1]
@@ -227,18 +251,18 @@ def test_engines_that_do_not_answer_leave_no_connection_behind(elsewhere):
 
     profile, _ = elsewhere
     other = ipp.Client(profile_dir=str(profile), cluster_id=CLUSTER_ID)
-    cluster = LocalCluster()
+    cluster = ConnectedCluster()
     try:
         other.wait_for_engines(2, timeout=60, interactive=False)
         busy = other[:].apply_async(time.sleep, 60)
         with pytest.raises(ClusterError) as e:
-            cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=1)
+            cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=1, workers=2)
         assert str(e.value) == (
-            f"connected to profile default, cluster id {CLUSTER_ID}, but its engines did not "
-            "answer within 1 s (TimeoutError: Result not ready.). Are they busy, or is nbdist "
-            "missing from their Python environment (pip install nbdist there)?"
+            f"connected to profile folder {profile}, cluster id {CLUSTER_ID}, but its engines "
+            "did not answer within 1 s (TimeoutError: Result not ready.). Are they busy, or is "
+            "nbdist missing from their Python environment (pip install nbdist there)?"
         )
-        assert not cluster.running and cluster.engines == [] and cluster.owned
+        assert not cluster.running and cluster.engines == []
     finally:
         other.send_signal(signal.SIGINT, targets=other.ids, block=True)
         busy.wait(30)
@@ -250,7 +274,7 @@ def test_an_interrupt_while_connecting_leaves_no_connection_behind(elsewhere):
     """A real SIGINT once the client is open, just before nbdist asks the engines who they
     are: the interrupt reaches the user, and the cluster is not left half connected."""
     profile, _ = elsewhere
-    cluster = LocalCluster()
+    cluster = ConnectedCluster()
     learn = cluster._learn_engines
 
     def interrupted(*args, **kwargs):
@@ -260,10 +284,10 @@ def test_an_interrupt_while_connecting_leaves_no_connection_behind(elsewhere):
 
     cluster._learn_engines = interrupted
     with pytest.raises(KeyboardInterrupt):
-        cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
-    assert not cluster.running and cluster.engines == [] and cluster.owned
+        cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30, workers=2)
+    assert not cluster.running and cluster.engines == []
     del cluster._learn_engines
-    cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30)
+    cluster.connect(profile_dir=str(profile), cluster_id=CLUSTER_ID, timeout=30, workers=2)
     assert cluster.size == 2
     cluster.stop()
 
@@ -288,19 +312,57 @@ def test_a_controller_without_engines_says_how_to_start_them(lone_controller):
     """The controller forks its schedulers after it wrote its connection file, now and then
     while the block below already runs: those are the fixture's, not left behind by it."""
     folder, controller = lone_controller
-    cluster = LocalCluster()
+    cluster = ConnectedCluster()
     with no_process_left(spare=controller), pytest.raises(ClusterError) as e:
         cluster.connect(profile_dir=str(folder), cluster_id="lone", timeout=1)
-    assert str(e.value).startswith(
-        "connected to the controller (profile default, cluster id lone) but no engine "
-        "registered within 1 s: "
+    assert str(e.value) == (
+        f"connected to the controller (profile folder {folder}, cluster id lone), but only 0 "
+        "engines registered within 1 s. Wait and %distrain connect again with a longer "
+        "--timeout, start the missing engines, or use the ones there with -n 1. Restart them "
+        f"with ipcluster stop --profile-dir {folder} --cluster-id lone; ipcluster start "
+        f"--profile-dir {folder} --cluster-id lone, then %distrain connect --profile-dir "
+        f"{folder} --cluster-id lone."
     )
-    assert str(e.value).endswith(" Start engines with: ipcluster engines -n N --profile NAME.")
     assert not cluster.running
 
 
+def test_a_rank_that_ignores_the_interrupt_is_left_running_and_said_so(
+    shell, elsewhere, magics, tmp_path
+):
+    """nbdist kills no engine it did not start: a rank that ignores the interrupt is left to
+    run, and the error says which, where, and how to stop it."""
+    from nbdist import JobTimeout
+
+    profile, _ = elsewhere
+    shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
+    stubborn = magics.cluster.engines[1]
+    go_on = tmp_path / "go-on"
+    cell = (
+        "import os, signal, time\n"
+        "previous = signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "try:\n"
+        f"    while rank == 1 and not os.path.exists({str(go_on)!r}):\n"
+        "        time.sleep(0.1)\n"
+        "finally:\n    signal.signal(signal.SIGINT, previous)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(JobTimeout) as info:
+        shell.run_cell_magic("distrain", "--framework torch --no-plot --timeout 2", cell)
+    assert time.monotonic() - start < 15  # 2 s, the grace, the collective timeout
+    assert (
+        f"rank 1 (host {stubborn.host}, pid {stubborn.pid}) still runs the cell: nbdist does not "
+        "kill engines it did not start, and its next cell waits for this one."
+    ) in str(info.value)
+    assert str(info.value).startswith("the job ran past --timeout 2 s. Raise --timeout")
+    assert [e.pid for e in magics.cluster.engines][1] == stubborn.pid
+    go_on.touch()  # it ends on its own; the next cell runs once it has
+    shell.run_cell_magic("distrain", "-o res --no-plot", "world_size")
+    assert shell.user_ns["res"].values == [2, 2]
+
+
 def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
-    """Last in this module: it kills one of the engines."""
+    """Last in this module: it kills one of the engines. nbdist kills or restarts none of the
+    engines of a cluster it did not start: the one that answers goes on alone."""
     from nbdist import WorkerDied
 
     profile, procs = elsewhere
@@ -312,10 +374,17 @@ def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
             "time.sleep(60)"
         )
         start = time.monotonic()
-        with pytest.raises(WorkerDied, match=f"rank {victim.rank}"):
+        with pytest.raises(WorkerDied) as info:
             shell.run_cell_magic("distrain", "--framework torch", cell)
+        assert str(info.value).startswith(
+            f"rank {victim.rank} (host {victim.host}, pid {victim.pid}) stopped answering during "
+            "the job: the controller lost its heartbeat (died, or vm unreachable)"
+        )
         assert time.monotonic() - start < 30
-        with pytest.raises(ClusterError, match="Restart them where they were started"):
-            shell.run_cell_magic("distrain", "--framework torch", "x = 1")
+        # nbdist restarts nothing it did not start: the engine that answers goes on, ranked 0.
+        survivor = next(e for e in magics.cluster.engines if e.pid != victim.pid)
+        assert [e.pid for e in magics.cluster.engines] == [survivor.pid]
+        shell.run_cell_magic("distrain", "--framework torch -o res", "(rank, world_size)")
+        assert shell.user_ns["res"].values == [(0, 1)]
     finally:
         shell.run_line_magic("distrain", "stop")

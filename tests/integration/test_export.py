@@ -135,3 +135,25 @@ def test_export_keeps_the_backend_and_tells_log_from_torch_log(tmp_path):
     tf = CellRecord(source="x = 1\n", framework="tf", world_size=2, autolog=True)
     with pytest.raises(ExportError, match="both torch and TensorFlow cells"):
         export_script([rec, tf], tmp_path / "w.py")
+
+
+def test_export_of_a_session_on_machines_with_different_worker_counts(tmp_path):
+    """Each machine's torchrun command; torchrun wants the same count everywhere: said so."""
+    from nbdist.kernel.export import CellRecord, export_script
+
+    nodes = (("n1", "10.0.0.1", "ib0", 4), ("n2", "10.0.0.2", None, 2))
+    rec = CellRecord(source="x = 1\n", framework="torch", world_size=6, autolog=True, nodes=nodes)
+    (script,) = export_script([rec], tmp_path / "t.py")
+    text = script.read_text()
+    assert (
+        "    # on n1 (10.0.0.1)\n"
+        "    GLOO_SOCKET_IFNAME=ib0 torchrun --nnodes 2 --nproc_per_node 4 --node_rank 0 "
+        "--master_addr 10.0.0.1 --master_port 29400 t.py\n"
+        "    # on n2 (10.0.0.2)\n"
+        "    torchrun --nnodes 2 --nproc_per_node 2 --node_rank 1 --master_addr 10.0.0.1 "
+        "--master_port 29400 t.py\n\n"
+        "(torchrun starts the same number of processes on every machine: these ran 4 and 2; "
+        "make them equal.)"
+    ) in text
+    assert "_INTERFACES = {'n1': 'ib0'}" in text
+    compile(text, "t.py", "exec")

@@ -19,11 +19,10 @@ from IPython.core.error import UsageError
 
 from nbdist import ClusterError, JobInterrupted
 from nbdist.engine import worker
-from nbdist.kernel import cluster as cluster_module
-from nbdist.kernel import commands, failures
+from nbdist.kernel import cell, commands
 from nbdist.kernel import engines as engines_module
-from nbdist.kernel.cluster import LocalCluster
-from nbdist.kernel.engines import kill_trees
+from nbdist.kernel import local as cluster_module
+from nbdist.kernel.local import LocalCluster
 from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -57,8 +56,8 @@ def _assert_works(cluster: LocalCluster, n: int) -> None:
     """``n`` engines that answer, each its own process."""
     infos = [cluster.apply_async(r, worker.engine_info).get(30) for r in range(cluster.size)]
     assert cluster.size == n
-    assert sorted(i["pid"] for i in infos) == sorted(e.pid for e in cluster.engines)
-    assert len({i["pid"] for i in infos}) == n
+    assert sorted(i.pid for i in infos) == sorted(e.pid for e in cluster.engines)
+    assert len({i.pid for i in infos}) == n
 
 
 @pytest.mark.parametrize(
@@ -176,7 +175,7 @@ def test_cells_right_after_a_replacement_run_on_the_new_engines(fresh_session, m
     after the kill must wait for new engines, not count the dead one among them."""
     cluster = magics.cluster
     old = {e.engine_id for e in cluster.engines}
-    kill_trees([cluster.engines[1].pid])
+    assert cluster.kill([1])
     cluster.replace_engines()
     assert not old & {e.engine_id for e in cluster.engines}
     pids = [e.pid for e in cluster.engines]
@@ -219,7 +218,7 @@ def test_clean_up_that_cannot_finish_replaces_the_engines(
 ):
     """A rank that cannot drop its variables in time (a ``__del__`` that blocks) after an
     interrupt gets the engines replaced; the next cell runs on the new ones."""
-    monkeypatch.setattr(failures, "DROP_WAIT_S", 3.0)
+    monkeypatch.setattr(cell, "DROP_WAIT_S", 3.0)
     fresh_session.run_cell_magic(
         "distrain",
         "",

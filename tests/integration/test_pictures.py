@@ -7,6 +7,8 @@ import textwrap
 
 import pytest
 
+from tests.fsdp import fully_shard_import
+
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
 MLP = textwrap.dedent(
@@ -63,7 +65,7 @@ def test_a_one_second_run_draws_throughput_lines(ready, magics, capsys):
 
 def test_fsdp2_counts_samples(ready, magics):
     cell = (
-        "from torch.distributed.fsdp import fully_shard\n"
+        fully_shard_import()
         + MLP
         + "for layer in model:\n    if isinstance(layer, nn.Linear):\n        fully_shard(layer)\n"
         + "fully_shard(model)\n"
@@ -76,6 +78,7 @@ def test_fsdp2_counts_samples(ready, magics):
         assert len(points) == 40
         assert [p.get("samples") for p in points] == [32] * 40  # once per step, not per layer
     assert all(len(xs) >= 2 for xs, _ in _rate_lines(magics))
+    assert res.warnings == ()  # its all-gathers and reduce-scatters count as collectives
 
 
 def test_the_rank_that_keeps_the_others_waiting_is_named(ready, capsys):
@@ -116,6 +119,55 @@ def test_training_cells_of_a_session_continue_one_curve(ready, magics):
     assert [x for x in faint.get_xdata() if x == x] == list(range(30))
     ready.run_line_magic("distrain", "reset")
     assert magics.session.curve == []
+
+
+def test_another_model_starts_a_curve_of_its_own(ready, magics):
+    ready.run_line_magic("distrain", "reset")
+    ready.run_cell_magic("distrain", "", MLP + DDP)
+    ready.run_cell_magic("distrain", "", loop(30))
+    first_key = magics.session.curve_key
+    assert first_key.startswith("torch:")
+    ready.run_cell_magic("distrain", "", MLP + DDP + loop(20))  # a new model object
+    assert magics.session.curve_key != first_key
+    assert [(seg.steps[0], seg.steps[-1]) for seg in magics.session.curve] == [(0, 19)]
+    faint = magics.session.view.figure.ax_loss.get_lines()[0]
+    assert list(faint.get_xdata()) == []  # no earlier cells drawn
+    ready.run_cell_magic("distrain", "", loop(10))  # the same model trained further
+    assert [(seg.steps[0], seg.steps[-1]) for seg in magics.session.curve] == [(0, 19), (20, 29)]
+
+
+def test_a_short_cell_under_load_names_no_straggler(ready, capsys):
+    """Tutorial 01's training cell, ten times, while two processes keep both cores busy."""
+    import subprocess
+    import sys
+
+    cell = textwrap.dedent(
+        """
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(10, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(64, 10), torch.randn(64, 1)
+        for step in range(20):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x[rank::world_size]), y[rank::world_size])
+            loss.backward()
+            opt.step()
+        """
+    )
+    hog = "while True:\n    pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
+    try:
+        for _ in range(10):
+            ready.run_cell_magic("distrain", "", cell)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    summaries = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("nbdist: final")
+    ]
+    assert len(summaries) == 10
+    assert not [s for s in summaries if "waiting" in s], summaries
 
 
 def test_a_model_prepared_by_accelerate_counts_samples(ready, magics):

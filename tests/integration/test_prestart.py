@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from nbdist import ClusterError
-from nbdist.kernel import cluster as cluster_module
+from nbdist.kernel import local as cluster_module
 from nbdist.kernel.magic import PRESTART_ENV, DistrainMagics
 from tests.procs import no_process_left
 
@@ -70,16 +70,18 @@ def test_a_first_cell_with_another_size_resizes(prestarting, capsys):
 def test_a_failed_background_start_is_shown_in_status_and_the_first_cell(
     prestarting, monkeypatch, capsys
 ):
-    # Engines that exit at once never register (a 0.01 s timeout instead raced with engines
-    # fast enough to register, and then failed elsewhere with another message).
+    # Engines that never register: they sleep (a 0.01 s timeout instead raced with engines
+    # fast enough to register; engines that exit are reported as such, with their output).
     real = cluster_module._ipp_cluster
 
-    def engines_that_exit(*args, **kwargs):
+    def engines_that_never_register(*args, **kwargs):
         ipp_cluster = real(*args, **kwargs)
-        ipp_cluster.config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-c", "0"]
+        ipp_cluster.config.LocalEngineSetLauncher.engine_cmd = [
+            sys.executable, "-c", "import time; time.sleep(120)"
+        ]  # fmt: skip
         return ipp_cluster
 
-    monkeypatch.setattr(cluster_module, "_ipp_cluster", engines_that_exit)
+    monkeypatch.setattr(cluster_module, "_ipp_cluster", engines_that_never_register)
     monkeypatch.setattr(cluster_module, "ENGINE_START_TIMEOUT_S", 1)
     with no_process_left():
         prestarting.start_in_background()
@@ -126,8 +128,8 @@ def test_interrupt_while_the_first_cell_waits_for_the_start(prestarting, monkeyp
     cluster = prestarting.cluster
     real_stop = cluster._stop
 
-    def stop_seen():
-        real_stop()
+    def stop_seen(*args):
+        real_stop(*args)
         if threading.current_thread() is not threading.main_thread():
             start_stopped.set()  # the cancelled start stopped its own processes
 
@@ -138,7 +140,7 @@ def test_interrupt_while_the_first_cell_waits_for_the_start(prestarting, monkeyp
         with pytest.raises(KeyboardInterrupt):
             prestarting.distrain("", "x = 1\n")
         assert start_stopped.is_set()
-        assert cluster.background_error is None
+        assert prestarting.session.background_error is None
         assert not cluster.running
     monkeypatch.undo()
     monkeypatch.setenv(PRESTART_ENV, "1")
@@ -153,21 +155,21 @@ def test_interrupt_just_after_the_background_start_ended(prestarting, monkeypatc
     left for it to cancel): the notebook's thread stops those engines, and the next cell starts
     afresh (a cancel flag shared by both starts used to stop it at its first step)."""
     cluster = prestarting.cluster
-    real = cluster.start
+    real = cluster.launch
 
-    def start_then_interrupt(*args, **kwargs):
+    def launch_then_interrupt(*args, **kwargs):
         real(*args, **kwargs)
         if threading.current_thread() is not threading.main_thread():
             os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this one
             # The start ends only once the interrupt was taken (the waiting cell cancels it).
             assert kwargs["cancel"].wait(10)
 
-    monkeypatch.setattr(cluster, "start", start_then_interrupt)
+    monkeypatch.setattr(cluster, "launch", launch_then_interrupt)
     with no_process_left():
         prestarting.start_in_background()
         with pytest.raises(KeyboardInterrupt):
             prestarting.distrain("", "x = 1\n")
-        assert cluster.background_error is None
+        assert prestarting.session.background_error is None
         assert not cluster.running
     monkeypatch.undo()
     monkeypatch.setenv(PRESTART_ENV, "1")

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nbdist import JobStalled, JobTimeout, RanksDisagree, WorkerError
+from tests.fsdp import fully_shard_import
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -86,7 +87,7 @@ def test_uneven_inputs_are_named_and_the_waiting_rank_freed(ready, magics):
 # reference to the process group, so a finished rank's destroy left its connections open.
 FSDP2 = textwrap.dedent(
     """
-    from torch.distributed.fsdp import fully_shard
+    FULLY_SHARD_IMPORT
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     for layer in model:
@@ -104,7 +105,8 @@ FSDP2 = textwrap.dedent(
 
 
 def test_uneven_inputs_after_an_fsdp2_cell_free_the_waiting_rank(ready, magics):
-    ready.run_cell_magic("distrain", "-o res", FSDP2)
+    fsdp2 = FSDP2.replace("FULLY_SHARD_IMPORT\n", fully_shard_import())
+    ready.run_cell_magic("distrain", "-o res", fsdp2)
     assert ready.user_ns["res"].values == ["DTensor", "DTensor"]
     pids = _pids(magics)
     with pytest.raises(RanksDisagree) as info:
@@ -112,7 +114,7 @@ def test_uneven_inputs_after_an_fsdp2_cell_free_the_waiting_rank(ready, magics):
     assert str(info.value).splitlines()[0] == FREED
     assert _pids(magics) == pids
     # The new group serves both FSDP2 and plain collectives, still on the same engines.
-    ready.run_cell_magic("distrain", "-o res", FSDP2)
+    ready.run_cell_magic("distrain", "-o res", fsdp2)
     assert ready.user_ns["res"].values == ["DTensor", "DTensor"]
     ready.run_cell_magic("distrain", "-o res", "dist.all_reduce(t := torch.ones(1))\nt.item()\n")
     assert ready.user_ns["res"].values == [2.0, 2.0]

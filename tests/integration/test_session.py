@@ -230,6 +230,11 @@ def test_auto_mode_and_local_cells(fresh_session, magics, capsys):
         sh.run_cell("on_workers = rank + 1\n")
         sh.run_cell("%%local\nhere = 'kernel'\n")
         assert "on_workers" not in sh.user_ns and sh.user_ns["here"] == "kernel"
+        # A %%local cell is a cell of the kernel's own: top-level await, IPython's errors.
+        done = sh.run_cell("%%local\nimport asyncio\nawait asyncio.sleep(0)\nslept = 1\n")
+        assert done.success and sh.user_ns["slept"] == 1
+        failed = sh.run_cell("%%local\n1 / 0\n")
+        assert isinstance(failed.error_in_exec, ZeroDivisionError)
     finally:
         sh.run_line_magic("distrain", "auto off")
     sh.run_cell("after = 1\n")
@@ -240,8 +245,8 @@ def test_auto_mode_and_local_cells(fresh_session, magics, capsys):
 
 def test_display_from_a_worker(fresh_session, magics):
     shown = []
-    real = magics.session._publish
-    magics.session._publish = lambda data, metadata: shown.append(data)
+    real = magics.session.publish
+    magics.session.publish = lambda data, metadata: shown.append(data)
     try:
         fresh_session.run_cell_magic(
             "distrain",
@@ -252,7 +257,7 @@ def test_display_from_a_worker(fresh_session, magics):
             "display(HTML(f'<b>rank {rank}</b>'))\n",
         )
     finally:
-        magics.session._publish = real
+        magics.session.publish = real
     assert shown[0] == {"text/plain": "[rank 0]"}
     assert shown[1]["image/png"].startswith("iVBOR") or shown[1]["image/png"][:4] == b"\x89PNG"
     assert shown[2]["text/html"] == "<b>rank 0</b>"
@@ -261,7 +266,11 @@ def test_display_from_a_worker(fresh_session, magics):
     assert len(shown) == 5
 
 
-def test_interrupt_mid_training_drops_the_variables_and_the_session_goes_on(fresh_session, magics):
+def test_interrupt_mid_training_without_steps_drops_the_variables_and_the_session_goes_on(
+    fresh_session, magics
+):
+    """With nothing the ranks could stop at together (--no-autolog: no step reported), the
+    interrupt stops them where they are (the graceful stop: test_graceful_stop.py)."""
     import os
     import signal
     import threading
@@ -274,7 +283,9 @@ def test_interrupt_mid_training_drops_the_variables_and_the_session_goes_on(fres
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(JobInterrupted) as info:
-        sh.run_cell_magic("distrain", "--no-plot", TRAIN.replace("range(30)", "range(10**6)"))
+        sh.run_cell_magic(
+            "distrain", "--no-plot --no-autolog", TRAIN.replace("range(30)", "range(10**6)")
+        )
     timer.join()
     assert str(info.value).startswith(
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1."

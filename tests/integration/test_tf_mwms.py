@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import textwrap
 import time
 
@@ -14,6 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.tf, pytest.mark.slow]
 
 FIT = textwrap.dedent(
     """
+    import time
     import numpy as np
     import keras
     with strategy.scope():
@@ -54,7 +56,57 @@ def test_keras_fit_two_workers_weights_identical(tf_ready, capsys):
     tf_ready.run_cell_magic("distrain", "-o res", fit_cell())
     _assert_trained_in_sync(tf_ready.user_ns["res"].values)
     assert tf_ready.user_ns["res"].framework == "tf"
+    assert tf_ready.user_ns["res"].warnings == ()
     assert "INFO:tensorflow" not in capsys.readouterr().out
+
+
+def test_keras_verbose_progress_ends_each_epoch_on_its_last_line(tf_ready, magics, capsys):
+    """Keras' Progbar rewrites its line with backspaces and a carriage return; each epoch ends on
+    its final ``32/32`` line, and the History value (TensorFlow's, which the notebook does not
+    import) is shown once."""
+    cell = """
+import numpy as np, keras
+with strategy.scope():
+    verbose_model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    verbose_model.compile(optimizer="sgd", loss="mse")
+x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
+verbose_model.fit(x, x.sum(1), batch_size=64, epochs=2, verbose=1)
+"""
+    shown = tf_ready.run_cell_magic("distrain", "-o res", cell)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # Keras' colours
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ")]
+        bars = [line for line in lines if "━" in line]
+        assert [line.split()[2] for line in bars] == ["32/32", "32/32"], lines
+        assert all(" - loss: " in line and line.count("loss") == 1 for line in bars), bars
+        assert [line for line in lines if "Epoch" in line] == [
+            f"[rank {rank}] Epoch 1/2",
+            f"[rank {rank}] Epoch 2/2",
+        ]
+    res = tf_ready.user_ns["res"]
+    assert res.values == [None, None]  # a History would import TensorFlow here
+    assert repr(shown).startswith("<keras.src.callbacks.history.History object at 0x")
+    assert magics.session.curve_key.startswith("keras:")
+
+
+def test_a_keras_model_built_outside_the_strategy_trains_alone_with_a_warning(tf_ready):
+    cell = """
+import numpy as np, keras
+alone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+alone.compile(optimizer="sgd", loss="mse")
+x = np.random.default_rng(rank).normal(size=(64, 4)).astype("float32")
+alone.fit(x, x.sum(1), batch_size=16, epochs=1, verbose=0)
+"""
+    tf_ready.run_cell_magic("distrain", "-o res --framework tf", cell)
+    (warning,) = tf_ready.user_ns["res"].warnings
+    import keras
+
+    assert warning.startswith(
+        "nbdist: warning: the ranks trained independent copies: they ran training steps (rank 0 "
+        "4, rank 1 4), and no collective"
+    )
+    assert f"The cell uses keras {keras.__version__} (a Keras model built outside " in warning
+    assert not tf_ready.run_line_magic("distrain", "compare alone").identical
 
 
 def test_tf_config_per_rank(tf_ready):
@@ -164,16 +216,18 @@ def test_keras_autolog_per_batch_loss(tf_ready):
     assert sum(rank0[8:]) / 8 == pytest.approx(epoch_losses[1], rel=1e-4)
 
 
-def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
+def _interrupt_when_training(magics, times=1, gap=0.0):
+    """A thread that sends SIGINT to this process once this run's view has samples (again
+    ``gap`` seconds later for ``times`` 2); returns it and the list it appends the time to."""
     import os
     import signal
     import threading
 
-    from nbdist import JobInterrupted
-
     before = magics.session.view  # the previous run's view, with its samples: not this run
+    interrupted: list[float] = []
+    missed: list[dict] = []
 
-    def interrupt_when_training():
+    def run():
         deadline = time.monotonic() + 60
         view = None
         try:
@@ -194,18 +248,64 @@ def test_interrupt_during_fit_stops_every_rank(tf_ready, magics):
             missed.append({"error": repr(e)})
         finally:  # never leave a 100,000-epoch fit running, whatever happened here
             os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(times - 1):
+                time.sleep(gap)
+                os.kill(os.getpid(), signal.SIGINT)
 
-    interrupted: list[float] = []
-    missed: list[dict] = []
-    thread = threading.Thread(target=interrupt_when_training)
+    thread = threading.Thread(target=run)
     thread.start()
+    return thread, interrupted, missed
+
+
+def test_stop_during_fit_ends_every_worker_at_the_same_batch(tf_ready, magics):
+    """A graceful stop: fit ends at a batch every worker reaches, the model is kept and fits
+    again in the next cell, on the same engines."""
+    from nbdist import JobInterrupted
+
+    thread, interrupted, missed = _interrupt_when_training(magics)
     pids = [e.pid for e in magics.cluster.engines]
-    with pytest.raises(JobInterrupted, match="stopped ranks 0, 1") as info:
+    with pytest.raises(JobInterrupted) as info:
         tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=100000))
     thread.join()
     assert interrupted, f"the live view showed no samples within 60 s: {missed}"
-    # TensorFlow cannot go on after an interrupt (later cells segfaulted): new engines.
-    assert str(info.value).splitlines()[-1].startswith("The engines were replaced")
+    took = time.monotonic() - interrupted[0]
+    message = str(info.value)
+    assert re.fullmatch(
+        r"stopped \(Stop button or Kernel > Interrupt\): every rank stopped after step \d+ of "
+        r"this cell\.\nThe workers' variables are kept and the process group stays: the next "
+        r"cell continues from there \(%distrain compare model checks the replicas\)\.",
+        message,
+    ), message
+    assert [e.pid for e in magics.cluster.engines] == pids
+    # Not the fallback's interrupt (that would have replaced the engines): a few batches, a few
+    # seconds at most on a loaded machine.
+    assert took < 15
+    same = tf_ready.run_line_magic("distrain", "compare model")
+    assert same.identical and same.entries == 4
+    refit = "hist = model.fit(x, y, batch_size=64, epochs=2, verbose=0)\nhist.history['loss']\n"
+    losses = tf_ready.run_cell_magic("distrain", "--no-plot", refit)
+    assert isinstance(losses, list) and losses[-1] < 0.5  # trained on, the same on both workers
+    assert tf_ready.run_line_magic("distrain", "compare model").identical
+
+
+def test_a_second_interrupt_during_fit_stops_every_rank_at_once(tf_ready, magics):
+    """The second interrupt does not wait for the step boundary: SIGINT, as before the
+    graceful stop; TensorFlow cannot go on after it (later cells segfaulted): new engines."""
+    from nbdist import JobInterrupted
+
+    thread, interrupted, missed = _interrupt_when_training(magics, times=2, gap=0.1)
+    pids = [e.pid for e in magics.cluster.engines]
+    # Batches of 0.3 s: the workers cannot agree on one before the second interrupt.
+    slow = "[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: SLEEP(0.3))]"
+    with pytest.raises(JobInterrupted) as info:
+        tf_ready.run_cell_magic(
+            "distrain", "", fit_cell(epochs=100000, callbacks=slow).replace("SLEEP", "time.sleep")
+        )
+    thread.join()
+    assert interrupted, f"the live view showed no samples within 60 s: {missed}"
+    message = str(info.value)
+    assert message.startswith("interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1")
+    assert message.splitlines()[-1].startswith("The engines were replaced")
     assert not set(pids) & {e.pid for e in magics.cluster.engines}
     # The ranks stop in 0.5-0.9 s here; the new engines take a few seconds more.
     assert time.monotonic() - interrupted[0] < 5 + 10
@@ -245,8 +345,9 @@ def _interfaces(pid: int) -> list[str]:
 
 def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
     """While a 2-worker fit trains, the workers' gRPC ports listen only in the engines' private
-    network namespace (which has nothing but loopback): from the notebook's namespace, the one
-    with this machine's real interfaces, 127.0.0.1 refuses them and nothing listens on them."""
+    network namespace (loopback, and slirp4netns's outbound-only link): from the notebook's
+    namespace, the one with this machine's real interfaces, 127.0.0.1 refuses them and nothing
+    listens on them."""
     import json
     import os
     import signal
@@ -258,7 +359,7 @@ def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
     from nbdist import JobInterrupted
 
     tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=1))
-    workers = json.loads(magics.cluster.rendezvous["tf"].envs[0]["TF_CONFIG"])["cluster"]["worker"]
+    workers = json.loads(magics.session.rendezvous["tf"].envs[0]["TF_CONFIG"])["cluster"]["worker"]
     ports = [int(w.rsplit(":", 1)[1]) for w in workers]
     pids = [e.pid for e in magics.cluster.engines]
     before = magics.session.view
@@ -301,7 +402,9 @@ def test_tf_servers_unreachable_from_the_notebooks_network(tf_ready, magics):
     assert seen["host_listeners"] == []
     mine = os.readlink("/proc/self/ns/net")
     assert len(seen["engine_netns"]) == 1 and mine not in seen["engine_netns"]
-    assert seen["interfaces"] == [["lo"], ["lo"]]
+    # slirp4netns, where installed, adds the outbound-only link (tap0): it forwards nothing in.
+    links = ["lo", "tap0"] if magics.cluster.network.outbound is not None else ["lo"]
+    assert seen["interfaces"] == [links, links]
     assert len(_interfaces(os.getpid())) > 1  # the notebook's namespace has real interfaces
 
 

@@ -121,13 +121,15 @@ def test_group_sockets_stay_on_loopback(ready, magics):
         "open('/proc/self/net/dev').readlines()[2:]])"
     )
     ready.run_cell_magic("distrain", "--framework torch -o res", read + "\n")
+    # slirp4netns, where installed, adds the outbound-only link (tap0): nothing listens there.
+    links = ["lo", "tap0"] if magics.cluster.network.outbound is not None else ["lo"]
     assert ready.user_ns["res"].values == [
-        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
-        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, links),
+        ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, links),
     ]
     assert [magics.cluster.apply_async(r, eval, read).get(10) for r in (0, 1)] == [
-        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, ["lo"]),
-        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, ["lo"]),
+        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, links),
+        ({"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}, links),
     ]
 
 
@@ -227,6 +229,7 @@ def test_rank_1_raises_at_step_50(ready, magics):
 def test_even_ranks_of_four_raise(ready, magics):
     hook = "if rank % 2 == 0 and epoch * len(loader) + step == 5: raise ValueError('even')"
     try:
+        ready.run_cell_magic("distrain", "-n 4 --framework torch", "x = 1\n")  # the resize
         start = time.monotonic()
         with pytest.raises(WorkerError) as info:
             ready.run_cell_magic("distrain", "-n 4", train_cell(epochs=100, hook=hook))
@@ -238,7 +241,7 @@ def test_even_ranks_of_four_raise(ready, magics):
         assert len(ready.user_ns["res"].values) == 4
     finally:
         ready.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
-    assert elapsed < 10 + 10  # includes resizing the cluster to 4 workers
+    assert elapsed < 10
 
 
 def test_all_ranks_fail_alike_shown_once(ready):
@@ -276,7 +279,9 @@ def test_worker_that_dies_is_reported_and_replaced(ready, magics):
     ready.run_cell_magic("distrain", "", "kept_until_now = rank\n")
     cell = "import os, time\nif rank == 1:\n    os._exit(3)\ndist.barrier()\n"
     with pytest.raises(
-        WorkerDied, match=r"rank 1 \(host .*, pid \d+\) died during the job"
+        WorkerDied,
+        match=r"rank 1 \(host .*, pid \d+\) died during the job: rank 1 exited with status 3 "
+        r"\(os._exit\(\), or a native library.s exit\(\)\)",
     ) as info:
         ready.run_cell_magic("distrain", "", cell)
     assert "The engines were replaced, and the workers' variables (" in str(info.value)
@@ -441,7 +446,7 @@ def test_interrupt_during_training_shows_figure_and_summary(ready, magics, capsy
 
     thread = threading.Thread(target=interrupt_when_training)
     thread.start()
-    with pytest.raises(JobInterrupted, match="stopped ranks 0, 1"):
+    with pytest.raises(JobInterrupted, match="every rank stopped after step"):
         ready.run_cell_magic("distrain", "", train_cell(epochs=100000))
     thread.join()
     assert interrupted, "the live view showed no training within 30 s"

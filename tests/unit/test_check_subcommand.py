@@ -57,3 +57,25 @@ def test_check_without_source(stopped):
     magics, _ = stopped
     with pytest.raises(UsageError, match="%distrain check needs code or the name of a string"):
         magics.distrain("check   ")
+
+
+def test_check_only_sees_the_functions_of_the_sessions_earlier_cells(stopped, capsys):
+    """PyTorch's DDP tutorial: run_demo() (with its mp.spawn) defined in one cell, called in the
+    next; the session keeps the cells that ran, and --check-only reads the call through them."""
+    from nbdist.kernel.export import CellRecord
+
+    magics, nothing_started = stopped
+    earlier = (
+        "import torch.multiprocessing as mp\n\n"
+        "def run_demo(demo_fn, world_size):\n"
+        "    mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)\n"
+    )
+    magics.session.cells.append(
+        CellRecord(source=earlier, framework="torch", world_size=2, autolog=True)
+    )
+    magics.distrain("--check-only", "run_demo(demo_basic, 2)\n")
+    assert capsys.readouterr().out.startswith(
+        "nbdist check [spawn-in-cell] cell line 1: in run_demo(), defined in an earlier cell "
+        "(its line 4): mp.spawn(...) starts worker processes from a %%distrain cell"
+    )
+    nothing_started()

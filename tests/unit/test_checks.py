@@ -246,8 +246,8 @@ def test_spawn_finding_names_the_function_to_call():
     (finding,) = check_source("mp.spawn(demo_basic, args=(2,), nprocs=2)\n", CPU)
     assert str(finding) == (
         "nbdist check [spawn-in-cell] cell line 1: mp.spawn(...) starts worker processes from a "
-        "%%distrain cell: nbdist already runs one process per rank, and a function defined in a "
-        "cell cannot be pickled to new processes (PicklingError on every rank). Call "
+        "%%distrain cell: nbdist already runs one process per rank, and processes started from "
+        "a worker cannot join its group (nbdist stops the cell with an error). Call "
         "demo_basic(rank, world_size) directly (see notebooks/08_when_ranks_disagree.ipynb, "
         "'One process per rank')."
     )
@@ -264,7 +264,103 @@ def test_distributed_checkpoint_save_on_every_rank_is_right():
 def test_rank_as_gpu_index_names_what_it_saw():
     (finding,) = check_source("m = DDP(m, device_ids=[rank])\n", CPU)
     assert finding.message.startswith("device_ids=[rank] uses the global rank as a GPU index")
-    assert rules("m = DDP(m, device_ids=[local_rank])\nx.to(local_rank)\n") == []
+    # The local rank is each worker's own GPU, as under torchrun.
+    assert rules("m = DDP(m, device_ids=[local_rank])\nx.to(local_rank)\n", GPUS) == []
+
+
+# pytorch/examples, distributed/ddp-tutorial-series/multigpu_torchrun.py: its shape.
+TORCHRUN_TRAINER = """
+import os
+import torch
+from torch.distributed import init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def ddp_setup():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group(backend="gloo")
+
+class Trainer:
+    def __init__(self, model, data, optimizer, snapshot_path):
+        self.gpu_id = int(os.environ["LOCAL_RANK"])
+        self.model = DDP(model.to(self.gpu_id), device_ids=[self.gpu_id])
+        self.data, self.optimizer, self.snapshot_path = data, optimizer, snapshot_path
+
+    def _run_epoch(self, epoch):
+        for source, targets in self.data:
+            source = source.to(self.gpu_id)
+
+    def _save_snapshot(self, epoch):
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+        torch.save(snapshot, self.snapshot_path)
+
+    def train(self, max_epochs):
+        for epoch in range(max_epochs):
+            self._run_epoch(epoch)
+            if self.gpu_id == 0 and epoch % 10 == 0:
+                self._save_snapshot(epoch)
+"""
+
+
+def test_a_torchrun_script_on_workers_without_gpus_is_told_to_use_device():
+    findings = check_source(TORCHRUN_TRAINER, CPU)
+    assert [(f.rule, f.line) for f in findings] == [
+        ("cuda-without-gpu", 8),
+        ("cuda-without-gpu", 14),
+        ("cuda-without-gpu", 14),
+        ("cuda-without-gpu", 19),
+    ]
+    assert findings[0].message.startswith(
+        "torch.cuda.set_device(...) asks for a GPU, and these workers have none"
+    )
+    assert "model.to(device)" in findings[0].message
+    assert sorted(f.message.split(" asks")[0] for f in findings[1:]) == [
+        ".to(self.gpu_id)",
+        ".to(self.gpu_id)",
+        "device_ids=[self.gpu_id]",
+    ]
+    # On GPU workers the same script is right: the local rank is the worker's own GPU.
+    assert check_source(TORCHRUN_TRAINER, GPUS) == []
+
+
+def test_a_save_its_caller_guards_is_not_flagged():
+    guarded_by_caller = """
+    def save_checkpoint(model):
+        torch.save(model.state_dict(), "m.pt")
+
+    for epoch in range(3):
+        if is_main:
+            save_checkpoint(model)
+    """
+    assert rules(guarded_by_caller) == []
+    called_from_every_rank = guarded_by_caller.replace(
+        "if is_main:\n            save_checkpoint", "save_checkpoint"
+    )
+    assert rules(called_from_every_rank) == [("unguarded-save", 3)]
+
+
+# PyTorch's "Getting Started with DDP" tutorial: run_demo(demo_fn, world_size) spawns.
+RUN_DEMO = """
+import torch.multiprocessing as mp
+
+def run_demo(demo_fn, world_size):
+    mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)
+"""
+
+
+def test_a_function_from_an_earlier_cell_is_checked_where_the_cell_calls_it():
+    ctx = CheckContext(world_size=2, gpus=0, earlier=(RUN_DEMO,))
+    (finding,) = check_source("x = 1\nrun_demo(demo_basic, 2)\n", ctx)
+    assert (finding.rule, finding.line) == ("spawn-in-cell", 2)
+    assert finding.message.startswith(
+        "in run_demo(), defined in an earlier cell (its line 5): mp.spawn(...) starts worker "
+        "processes"
+    )
+    # Through another function of an earlier cell, too; and not when the cell defines its own.
+    wrapper = "def main():\n    run_demo(demo_basic, 2)\n"
+    ctx = CheckContext(world_size=2, gpus=0, earlier=(RUN_DEMO, wrapper))
+    assert rules("main()\n", ctx) == [("spawn-in-cell", 1)]
+    assert rules("def run_demo(f, n):\n    f(0, n)\n\nrun_demo(demo_basic, 2)\n", ctx) == []
+    assert check_source("run_demo(demo_basic, 2)\n", CPU) == []
 
 
 @pytest.mark.parametrize(("rule", "bad", "good", "line"), CASES, ids=[c[0] for c in CASES])
@@ -276,8 +372,10 @@ def test_rule_fires_on_the_mistake_only(rule, bad, good, line):
 def test_bare_cuda_only_matters_with_several_gpus():
     cell = "model = net.cuda()\nx = x.to('cuda')\n"
     assert rules(cell, GPUS) == [("cuda-without-local-device", 1), ("cuda-without-local-device", 2)]
-    assert rules(cell, CPU) == []
+    # Without GPUs both ask for one that is not there.
+    assert rules(cell, CPU) == [("cuda-without-gpu", 1), ("cuda-without-gpu", 2)]
     assert rules("model = net.to(device)\n", GPUS) == []
+    assert rules("model = net.to(device)\n", CPU) == []
 
 
 def test_finding_is_one_line_with_why_fix_and_pointer():

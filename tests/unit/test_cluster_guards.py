@@ -1,14 +1,6 @@
 import pytest
-from IPython.core.error import UsageError
 
-from nbdist.kernel import cluster as cluster_module
-
-
-def test_more_workers_than_gpus_is_a_usage_error(monkeypatch):
-    monkeypatch.setattr(cluster_module, "visible_gpus", lambda: ["0"])
-    with pytest.raises(UsageError, match="-n 2 asks for more workers than the 1 visible GPUs"):
-        cluster_module._check_gpus(2)
-    cluster_module._check_gpus(1)
+from nbdist.kernel import local as cluster_module
 
 
 def test_default_workers(monkeypatch):
@@ -26,11 +18,15 @@ def test_a_background_start_without_a_thread_leaves_nothing_to_wait_for(monkeypa
     def refuse(self):
         raise RuntimeError("can't start new thread")
 
+    from nbdist.kernel.prestart import Prestart
+
     cluster = cluster_module.LocalCluster()
     notify = cluster._notify
+    prestart = Prestart(cluster)
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        cluster.start_in_background()
+        prestart.begin()
     monkeypatch.undo()
-    assert not cluster.running and cluster.background_error is None
+    assert not cluster.running and prestart.error is None and not prestart.pending
     assert cluster._notify is notify  # notices go where they went before
+    assert cluster.before_stop is None  # a stop waits for nothing

@@ -119,17 +119,19 @@ def test_the_summary_says_the_axis_is_logarithmic():
     assert "logarithmic" not in agg.summary(1.0, "torch", logy=False)
 
 
-def _working(work_s):
+def _working(work_s, steps=100, waits=None):
+    """Ranks in step: each waits for the slowest (unless ``waits`` says otherwise)."""
+    waits = waits or [max(work_s) - w for w in work_s]
     return [
-        {"rank": r, "step": s, "time": float(s), "loss": 1.0, "work": w, "wait": 0.0}
-        for s in range(20)
-        for r, w in enumerate(work_s)
+        {"rank": r, "step": s, "time": float(s), "loss": 1.0, "work": w, "wait": t}
+        for s in range(steps)
+        for r, (w, t) in enumerate(zip(work_s, waits, strict=True))
     ]
 
 
 def test_the_rank_the_others_wait_for_is_named():
     agg = Aggregate(3, start=0.0)
-    agg.add(_working([0.010, 0.016, 0.0102]))
+    agg.add(_working([0.010, 0.016, 0.0102]))  # 5.9 ms more, 100 steps: 0.59 s of waiting
     assert agg.stragglers() == [(1, pytest.approx(0.016 / 0.0101))]
     assert "rank 1 keeps the others waiting: 1.6× their working time per step" in agg.summary(
         1.0, "torch"
@@ -153,3 +155,20 @@ def test_too_few_steps_to_compare():
     agg = Aggregate(2, start=0.0)
     agg.add([p for p in _working([0.010, 0.030]) if p["step"] < 9])
     assert agg.stragglers() == [] and agg.work_per_step(1) is None
+
+
+def test_a_short_cell_names_no_straggler():
+    """Tutorial 01's training cell: 20 steps of ~5 ms. One rank twice as slow (a busy machine
+    slowing a rank) adds up to 0.1 s of waiting: not worth naming."""
+    agg = Aggregate(2, start=0.0)
+    agg.add(_working([0.005, 0.010], steps=20))
+    assert agg.stragglers() == []
+    agg = Aggregate(2, start=0.0)
+    agg.add(_working([0.005, 0.010], steps=19))  # the same over fewer steps than counted
+    assert agg.stragglers() == []
+
+
+def test_a_slower_rank_nobody_waits_for_is_no_straggler():
+    agg = Aggregate(2, start=0.0)
+    agg.add(_working([0.010, 0.040], waits=[0.0, 0.0]))  # no collective: nobody waits
+    assert agg.stragglers() == []

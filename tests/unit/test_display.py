@@ -1,5 +1,8 @@
 """The live view's pieces: downsampling, smoothing, throttling, aggregation, what gets shown."""
 
+import base64
+import json
+
 import pytest
 
 from nbdist.kernel import display as d
@@ -124,7 +127,7 @@ def test_panel_in_place_then_the_static_figure_in_the_same_place():
     # nbval reads no display updates: every state of the place has the same text/plain
     assert {bundle["text/plain"] for bundle, _, _ in spy.calls} == {PANEL_TEXT}
     (final,) = spy.shown  # one output, all along: the figure took the widgets' place
-    assert final["image/png"].startswith(b"\x89PNG") and final["text/plain"] == FIGURE_TEXT
+    assert _png(final).startswith(b"\x89PNG") and final["text/plain"] == FIGURE_TEXT
     assert len({display_id for _, display_id, _ in spy.calls}) == 1
     assert widgets.comm is None  # closed: nothing left to show a second figure
     assert live.dashboard is None
@@ -142,7 +145,7 @@ def test_a_short_run_builds_no_widgets_and_renders_once(monkeypatch):
     assert live.finish(history, ["done", "done"], wall=0.2, framework="torch")
     assert renders == [1]
     (final,) = spy.shown
-    assert final["image/png"].startswith(b"\x89PNG")
+    assert _png(final).startswith(b"\x89PNG")
 
 
 def test_the_live_figure_is_reused_when_nothing_came_after_it(monkeypatch):
@@ -154,15 +157,44 @@ def test_the_live_figure_is_reused_when_nothing_came_after_it(monkeypatch):
     image = live.dashboard.image.value
     monkeypatch.setattr(d.Figure, "png", lambda *a: pytest.fail("rendered twice"))
     live.finish(history, ["done", "done"], wall=3.0, framework="torch")
-    assert spy.shown[-1]["image/png"] == image
+    assert _png(spy.shown[-1]) == image
+
+
+def test_the_final_figure_is_valid_png_when_the_widget_holds_a_memoryview(monkeypatch):
+    """ipywidgets may give the live image back as a memoryview: sent as it was, it became a
+    JSON list of numbers (a broken image, and a notebook that failed validation on save)."""
+    import nbformat
+
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy)
+    live.throttle = Throttle(interval=0.5, clock=lambda: 1.0)
+    history = _points(steps=10)
+    live.update(history, ["running", "running"], force=True)
+    image = live.dashboard.image.value
+    live.dashboard.image.value = memoryview(bytes(image))
+    assert isinstance(live.dashboard.image.value, memoryview)
+    live.finish(history, ["done", "done"], wall=3.0, framework="torch")
+    bundle = spy.shown[-1]
+    assert isinstance(bundle["image/png"], str) and _png(bundle) == bytes(image)
+    output = nbformat.v4.new_output("display_data", data=bundle)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=[output])])
+    nbformat.validate(nbformat.from_dict(json.loads(nbformat.writes(nb))))
+
+
+def _png(bundle) -> bytes:
+    return base64.b64decode(bundle["image/png"])
+
+
+MODEL = "torch:4242:7f00aa"  # Recorder.model's key: a DDP model object on an engine
 
 
 def test_earlier_cells_continue_the_curve():
     spy = SpyDisplay()
     earlier = [Segment([0, 1, 2], [3.0, 2.0, 1.5]), Segment([3, 4], [1.2, 1.0])]
-    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier)
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier, earlier_key=MODEL)
     history = _points(steps=4)  # this cell counts its steps from 0 again
-    live.finish(history, ["done", "done"], wall=2.0, framework="torch")
+    live.finish(history, ["done", "done"], wall=2.0, framework="torch", key=MODEL)
+    assert live.continued
     assert live.agg.loss_curve()[0] == [5, 6, 7, 8]
     assert live.agg.segment().steps == [5, 6, 7, 8]
     faint, current = live.figure.ax_loss.get_lines()
@@ -172,6 +204,30 @@ def test_earlier_cells_continue_the_curve():
     xs = [x for x in faint.get_xdata() if x == x]  # without the breaks between cells
     assert xs == [0, 1, 2, 3, 4]
     assert list(current.get_xdata()) == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["torch:4242:7f00bb", "keras:4242:7f00aa", None],
+    ids=["another-model", "another-framework", "no-model"],
+)
+def test_a_cell_that_trains_another_model_starts_a_curve_of_its_own(key):
+    spy = SpyDisplay()
+    earlier = [Segment([0, 1, 2], [300.0, 200.0, 150.0])]
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier, earlier_key=MODEL)
+    live.throttle = Throttle(interval=0.5, clock=lambda: 1.0)
+    history = _points(steps=4)
+    # Drawn live as a continuation first: the model's key comes with a later message.
+    live.update(history[:4], ["running"] * 2, force=True)
+    assert live.agg.loss_curve()[0] == [3, 4]
+    live.update(history, ["running"] * 2, force=True, key=key)
+    summary = live.finish(history, ["done", "done"], wall=2.0, framework="torch", key=key)
+    assert not live.continued
+    assert live.agg.loss_curve()[0] == [0, 1, 2, 3]
+    assert live.figure.ax_loss.get_title() == "loss (mean over ranks, min–max band)"
+    faint, current = live.figure.ax_loss.get_lines()
+    assert list(faint.get_xdata()) == [] and list(current.get_xdata()) == [0, 1, 2, 3]
+    assert "logarithmic" not in summary  # the earlier model's losses no longer count
 
 
 def test_steps_that_already_continue_the_session_stay_as_they_are():
@@ -204,11 +260,11 @@ def test_outside_jupyter_the_stop_button_points_to_the_interrupt():
 def test_earlier_cells_count_for_the_log_scale():
     spy = SpyDisplay()
     earlier = [Segment([0, 1, 2], [100.0, 10.0, 1.0])]
-    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier)
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy, earlier=earlier, earlier_key=MODEL)
     history = [
         {"rank": r, "step": s, "time": float(s), "loss": 0.5} for s in range(3) for r in (0, 1)
     ]
-    summary = live.finish(history, ["done", "done"], wall=2.0, framework="torch")
+    summary = live.finish(history, ["done", "done"], wall=2.0, framework="torch", key=MODEL)
     assert live.figure.ax_loss.get_yscale() == "log"
     assert "loss axis logarithmic (the loss spans 2.3 decades)" in summary
 
@@ -221,3 +277,13 @@ def test_the_live_figure_is_redrawn_within_its_budget_and_its_age_limit():
     assert figure_wait(0.2, 2) == 2.0  # slow draws: never older than 2 s
     assert figure_wait(0.2, 17) == 0.5  # min-max bands past 16 ranks: with the table
     assert figure_wait(0.001, 512) == 0.5
+
+
+def test_the_stop_button_says_what_a_graceful_stop_does():
+    from nbdist.kernel.display import stop_button_html, stopping_html
+
+    button = stop_button_html("api/kernels/k/interrupt", graceful=True)
+    assert ">Stop after this step</button>" in button
+    assert "'Stopping at the next step all ranks reach...'" in button  # on click
+    assert ">Stop</button>" in stop_button_html("api/kernels/k/interrupt")
+    assert ">Stopping after step 7...</button>" in stopping_html(7)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from nbdist.kernel.engines import EngineInfo, connected_text, rank_engines, status_text
+from nbdist.protocol import EngineReport
 
 
-def _info(address, gpus=(), pid=100, host=None):
-    return {"address": address, "host": host or address, "pid": pid, "gpus": list(gpus), "cpus": 4}
+def _info(address, gpus=(), pid=100, host=None, addresses=()):
+    return EngineReport(
+        address=address, host=host or address, pid=pid, gpus=list(gpus), cpus=4,
+        addresses=list(addresses),
+    )  # fmt: skip
 
 
 def test_ranks_group_by_host_address_numerically_then_by_engine_id():
@@ -25,21 +29,21 @@ def test_ranks_group_by_host_address_numerically_then_by_engine_id():
 
 def test_gpus_one_per_engine_all_for_an_engine_alone_none_when_too_few():
     two = rank_engines([0, 1], [_info("a", ["0", "1"]), _info("a", ["0", "1"])])
-    assert [e.gpu for e in two] == ["0", "1"]
+    assert [(e.gpu, e.visible, e.cuda_index) for e in two] == [("0", "0,1", 0), ("1", "0,1", 1)]
     alone = rank_engines([0], [_info("a", ["0", "1"])])
     assert [e.gpu for e in alone] == ["0,1"]  # MirroredStrategy may use every GPU
     bound = rank_engines([0, 1], [_info("a", ["3"]), _info("a", ["5"])])
     assert [e.gpu for e in bound] == ["3", "5"]  # srun --gpus-per-task=1 gave each its own
     few = rank_engines([0, 1, 2], [_info("a", ["0", "1"])] * 3)
-    assert [e.gpu for e in few] == ["0", "1", None]
+    assert [e.gpu for e in few] == [None, None, None]  # the CPU: nccl needs a GPU per rank
 
 
 def test_status_and_connected_text():
     engines = [
-        EngineInfo(rank=0, engine_id=4, host="vm", address="127.0.0.1", pid=11, gpu=None, cpus=2,
-                   local_rank=0, local_world_size=2),
-        EngineInfo(rank=1, engine_id=5, host="vm", address="127.0.0.1", pid=12, gpu="0", cpus=2,
-                   local_rank=1, local_world_size=2),
+        EngineInfo(rank=0, engine_id=4, host="vm", address="127.0.0.1", pid=11, gpu=None,
+                   visible="", cuda_index=None, cpus=2, local_rank=0, local_world_size=2),
+        EngineInfo(rank=1, engine_id=5, host="vm", address="127.0.0.1", pid=12, gpu="0",
+                   visible="0", cuda_index=0, cpus=2, local_rank=1, local_world_size=2),
     ]  # fmt: skip
     assert connected_text(engines) == (
         "nbdist: connected to 2 engines on 1 host (127.0.0.1: 2 engines); %distrain status "
@@ -60,11 +64,11 @@ def test_an_engine_reached_over_loopback_among_several_hosts_takes_its_own_addre
     from nbdist.kernel.engines import settle_addresses
 
     infos = [
-        {**_info("127.0.0.1", host="head"), "addresses": ["10.0.0.5", "172.17.0.1"]},
-        {**_info("10.0.0.7", host="node1"), "addresses": ["10.0.0.7"]},
+        _info("127.0.0.1", host="head", addresses=["10.0.0.5", "172.17.0.1"]),
+        _info("10.0.0.7", host="node1", addresses=["10.0.0.7"]),
     ]
-    assert [i["address"] for i in settle_addresses(infos, local=None)] == ["10.0.0.5", "10.0.0.7"]
-    assert [i["address"] for i in settle_addresses(infos, local="127.0.0.1")] == ["127.0.0.1"] * 2
+    assert [i.address for i in settle_addresses(infos, local=None)] == ["10.0.0.5", "10.0.0.7"]
+    assert [i.address for i in settle_addresses(infos, local="127.0.0.1")] == ["127.0.0.1"] * 2
 
 
 def test_an_engine_with_no_address_other_hosts_reach_says_what_to_set():
@@ -74,8 +78,8 @@ def test_an_engine_with_no_address_other_hosts_reach_says_what_to_set():
     from nbdist.kernel.engines import settle_addresses
 
     infos = [
-        {**_info("127.0.0.1", host="head"), "addresses": []},
-        {**_info("10.0.0.7", host="node1"), "addresses": ["10.0.0.7"]},
+        _info("127.0.0.1", host="head"),
+        _info("10.0.0.7", host="node1", addresses=["10.0.0.7"]),
     ]
     with pytest.raises(ClusterError) as e:
         settle_addresses(infos, local=None)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist.kernel.cluster import EngineInfo, LocalCluster
+from nbdist.kernel.connected import ConnectedCluster
+from nbdist.kernel.engines import EngineInfo
 from nbdist.kernel.exposure import check_tf_exposure
+from nbdist.kernel.local import LocalCluster
 from nbdist.kernel.netns import PrivateNetwork
 from nbdist.kernel.options import parse_run_options
 
 
 def _cluster(tmp_path, *, private: bool | None, owned: bool = True) -> LocalCluster:
-    cluster = LocalCluster()
-    cluster.owned = owned
+    cluster = LocalCluster() if owned else ConnectedCluster()
     if private is not None:
         cluster.network = PrivateNetwork(tmp_path / "x.ipc")
         if private:
@@ -30,6 +31,8 @@ def _cluster(tmp_path, *, private: bool | None, owned: bool = True) -> LocalClus
                 address=f"10.0.0.{r + 1}",
                 pid=1,
                 gpu=None,
+                visible="",
+                cuda_index=None,
                 cpus=1,
                 local_rank=0,
                 local_world_size=1,
@@ -42,7 +45,10 @@ def _cluster(tmp_path, *, private: bool | None, owned: bool = True) -> LocalClus
 def _check(cluster, framework="tf", strategy=None, allowed=False):
     told = []
     options = {"strategy": strategy} if strategy else {}
-    check_tf_exposure(cluster, framework, options, allowed=allowed, notify=told.append)
+    said = getattr(cluster, "_told", False)
+    cluster._told = check_tf_exposure(
+        cluster, framework, options, allowed=allowed, notify=told.append, told=said
+    )
     return told
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nbdist.engine import hardware
 from nbdist.engine.hardware import busy_gpus_notice, parse_gpu_holders
-from nbdist.kernel import cluster as cluster_module
+from nbdist.kernel import local as cluster_module
 
 # What `nvidia-smi --query-gpu=index,uuid --format=csv,noheader,nounits` and
 # `--query-compute-apps=gpu_uuid,pid,used_memory` print on a 2-GPU machine where another user's

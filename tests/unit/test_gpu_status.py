@@ -5,6 +5,7 @@ from __future__ import annotations
 from nbdist.engine import hardware, session_ops
 from nbdist.engine.hardware import parse_gpu_info
 from nbdist.kernel.commands import memory_lines
+from nbdist.protocol import MemoryReport
 
 # `nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total --format=csv,noheader,nounits`
 # on a 2-GPU machine; GPU 1's memory is not reported (a MIG-enabled GPU prints [N/A]).
@@ -27,8 +28,8 @@ def test_parse_gpu_info_by_index_or_uuid_in_the_order_asked():
 
 def test_status_lines_without_gpus_are_unchanged():
     reports = [
-        {"rss": 812 * MB, "gpu": None, "gpus": [], "variables": 3},
-        {"rss": 790 * MB, "gpu": None, "gpus": [], "variables": 3},
+        MemoryReport(**{"rss": 812 * MB, "gpu": None, "gpus": [], "variables": 3}),
+        MemoryReport(**{"rss": 790 * MB, "gpu": None, "gpus": [], "variables": 3}),
     ]
     assert memory_lines(reports) == [
         "rank     memory  gpu memory  variables",
@@ -39,11 +40,11 @@ def test_status_lines_without_gpus_are_unchanged():
 
 def test_status_lines_name_each_ranks_gpu_and_its_memory():
     reports = [
-        {"rss": 2100 * MB, "gpu": 256 * MB, "variables": 4,
-         "gpus": parse_gpu_info(INFO, ["0"])},
-        {"rss": 2050 * MB, "gpu": None, "variables": 0,
-         "gpus": parse_gpu_info(INFO, ["1"])},
-        {"rss": 900 * MB, "gpu": None, "variables": 0, "gpus": []},
+        MemoryReport(**{"rss": 2100 * MB, "gpu": 256 * MB, "variables": 4,
+         "gpus": parse_gpu_info(INFO, ["0"])}),
+        MemoryReport(**{"rss": 2050 * MB, "gpu": None, "variables": 0,
+         "gpus": parse_gpu_info(INFO, ["1"])}),
+        MemoryReport(**{"rss": 900 * MB, "gpu": None, "variables": 0, "gpus": []}),
     ]  # fmt: skip
     assert memory_lines(reports) == [
         "rank     memory  gpu memory  variables  gpu",
@@ -51,7 +52,11 @@ def test_status_lines_name_each_ranks_gpu_and_its_memory():
         "   1    2050 MB           -  0          1: NVIDIA H200, memory n/a",
         "   2     900 MB           -  0          -",
     ]
-    alone = [{"rss": MB, "gpu": None, "variables": 0, "gpus": parse_gpu_info(INFO, ["0", "1"])}]
+    alone = [
+        MemoryReport(
+            **{"rss": MB, "gpu": None, "variables": 0, "gpus": parse_gpu_info(INFO, ["0", "1"])}
+        )
+    ]
     assert memory_lines(alone)[1].endswith(
         "0: NVIDIA H200, 1,234 of 143,771 MiB in use; 1: NVIDIA H200, memory n/a"
     )
@@ -61,6 +66,6 @@ def test_memory_report_on_this_machine(monkeypatch):
     """The engine-side report, for real: no nvidia-smi here means no GPUs listed."""
     monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
     report = session_ops.memory()
-    assert report["gpus"] == [] and report["gpu"] is None
-    assert report["rss"] > 10 * MB
+    assert report.gpus == [] and report.gpu is None
+    assert report.rss > 10 * MB
     assert hardware.gpu_info(["0"]) == []

@@ -14,7 +14,11 @@ def test_docstring_teaches(shell):
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("", "%distrain needs a subcommand: start [-n N] | stop | restart [-n N] | status"),
+        (
+            "",
+            "%distrain needs a subcommand: start [-n N] [--network private|isolated|host] | "
+            "stop | restart [-n N] [--network private|isolated|host] | status",
+        ),
         ("launch", "invalid choice: 'launch'"),
         ("start -n 0", "needs at least 1 worker"),
     ],

@@ -102,3 +102,21 @@ def test_tensors_become_floats_at_flush():
 def test_log_outside_a_cell_says_so():
     with pytest.raises(RuntimeError, match="records metrics from inside a %%distrain cell"):
         metrics.log(loss=1.0)
+
+
+@pytest.mark.parametrize(("name", "instead"), [("time", "time_s"), ("rank", "worker_rank")])
+def test_a_metric_named_like_a_points_own_field_is_refused(name, instead):
+    spy, stream = Spy(), MetricsStream(world=1)
+    rec = Recorder(spy)
+    with pytest.raises(ValueError) as info:
+        rec.log(**{name: 1.0, "loss": 2.0})
+    assert str(info.value).startswith(f"log({name}=...): every point has its own '{name}' (")
+    assert str(info.value).endswith(f"Log it under another name: log({instead}=...)")
+    rec.log(step=7, loss=2.0)  # step is log's own parameter: it sets the point's step
+    rec.log(**{instead: 1.0})
+    rec.flush()
+    stream.pump(0, spy.data)
+    assert [(p["rank"], p["step"], p.get("loss"), p.get(instead)) for p in stream.history] == [
+        (0, 7, 2.0, None),
+        (0, 8, None, 1.0),
+    ]

@@ -121,7 +121,12 @@ def test_refused_namespaces_fall_back_with_the_reason(network, monkeypatch, euid
     tried = "user+network namespace: unshare: Operation not permitted"
     if euid == 0:
         tried = f"network namespace: unshare: Operation not permitted; {tried}"
-    assert network.reason == f"this platform refused a private network ({tried})"
+    # In words, from the errno (EPERM), then what the holder said.
+    assert network.reason == (
+        "the platform refuses new namespaces to this process (a container's seccomp profile, as "
+        "Docker's default; AppArmor's rule for unprivileged user namespaces, as on Ubuntu 24.04; "
+        f"or user namespaces turned off for unprivileged users) ({tried})"
+    )
     assert network.holder is None and network.engine_env() == {}
 
 
@@ -270,7 +275,7 @@ import importlib.util, os, socket, sys
 spec = importlib.util.spec_from_file_location("netns", {path!r})
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
-m.join({holder.pid}, user=True)
+m.join({holder.pid}, m.proc_stat({holder.pid})[1], user=True)
 s = socket.socket(socket.AF_INET6)
 s.bind(("::", 0))
 s.listen()
@@ -320,3 +325,46 @@ def test_unprivileged_user_gets_a_private_network():
     finally:
         shutil.rmtree(folder)
     assert out.stdout == "ready ['lo'] 4242 4242 True ECONNREFUSED 0\n", out.stderr
+
+
+def test_the_refusal_is_worded_from_the_errno():
+    from nbdist.kernel.netns import refusal
+
+    assert refusal([("user", f"{errno.ENOSPC} No space left on device")]) == (
+        "user namespaces are disabled on this machine (user.max_user_namespaces is 0) "
+        "(user+network namespace: No space left on device)"
+    )
+    assert refusal([("user", "no answer in 10 s")]) == (
+        "this platform refused a private network (user+network namespace: no answer in 10 s)"
+    )
+
+
+def test_network_namespaces_are_linux_only(network, monkeypatch):
+    monkeypatch.setattr(kernel_netns.sys, "platform", "darwin")
+    network.start()
+    network.ready()
+    assert network.reason == "network namespaces are Linux-only (this is darwin)"
+    assert network.holder is None and network.engine_env() == {}
+
+
+def test_host_network_when_the_start_asks(network):
+    network.start("host")
+    network.ready()
+    assert network.reason == "--network host was asked for" and not network.private
+
+
+def test_a_holder_whose_pid_names_another_process_now_is_not_joined(network):
+    """The holder is named by its PID and its start: a process that has the PID now (the
+    holder died, its PID was taken) is another process, and the engine exits instead."""
+    network.start()
+    network.ready()
+    pid, started = network.engine_env()["NBDIST_NETNS_PID"].split(":")
+    assert int(started) == network.started
+    env = {**os.environ, "NBDIST_NETNS_PID": f"{pid}:{int(started) + 1}", "NBDIST_PRELOAD": "",
+           "NBDIST_NETNS_USER": network.engine_env()["NBDIST_NETNS_USER"]}  # fmt: skip
+    out = _boot(env)
+    assert out.returncode == 1
+    assert out.stderr == (
+        "nbdist: engine could not join the cluster's private network: [Errno 3] the cluster's "
+        f"namespace holder (process {pid}) is gone; its PID now names another process\n"
+    )

@@ -75,3 +75,131 @@ def test_framework_log_noise_is_left_out():
         "[rank 0] E0000 00:00:1796295495.144248    9290 collective_ops.cc:12] peer lost\n"
         "[rank 0] Traceback: mine\n"
     )
+
+
+class ClientText(SimpleNamespace):
+    """A task's stdout/stderr as ipyparallel's client builds them from stream messages: each
+    chunk appended, and a line rewritten after a carriage return folded into its last version
+    (``Client._dispatch_iopub``, with the client's own pattern)."""
+
+    def write(self, name, chunk):
+        from ipyparallel.client.client import _cr_pat
+
+        text = getattr(self, name) + chunk
+        if "\r" in chunk:
+            text = _cr_pat.sub("", text)
+        setattr(self, name, text)
+
+
+def _task():
+    return ClientText(stdout="", stderr="")
+
+
+class SpyDisplay:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, bundle, raw, display_id, update=False):
+        self.calls.append((dict(bundle), display_id, update))
+
+
+def test_a_keras_progress_bar_ends_on_its_last_line_and_shows_while_it_runs(monkeypatch):
+    """Keras' Progbar in a kernel: backspaces over the previous line, a carriage return, the
+    new line; a newline after the epoch's last one."""
+    clock = [0.0]
+    monkeypatch.setattr(relay_module.time, "monotonic", lambda: clock[0])
+    out, spy = io.StringIO(), SpyDisplay()
+    relay = OutputRelay([True], out, io.StringIO(), display=spy)
+    task = _task()
+    task.write("stdout", "Epoch 1/2\n")
+    previous = ""
+    for step in (1, 2, 16, 32):
+        line = f"{step:>2}/32 {'━' * step} {40 - step}s - loss: {10 / step:.4f}"
+        line += " " * max(0, len(previous) - len(line))  # Keras pads to the previous width
+        task.write("stdout", "\b" * len(previous) + "\r" + line)
+        previous = line
+        clock[0] += 0.5
+        relay.pump([task])
+        if step == 2:
+            (bundle, _, _) = spy.calls[-1]
+            assert bundle["text/plain"] == f"[rank 0] {line}"  # the bar as it is now
+    task.write("stdout", "\n")
+    clock[0] += 0.5
+    relay.pump([task], final=True)
+    assert out.getvalue() == f"[rank 0] Epoch 1/2\n[rank 0] {previous}\n"
+    assert spy.calls[-1][0] == {"text/plain": ""}  # emptied: the line is in the cell's text
+    assert len({display_id for _, display_id, _ in spy.calls}) == 1  # one place, updated
+
+
+def test_a_line_finished_at_once_never_shows_as_progress():
+    spy = SpyDisplay()
+    relay = OutputRelay([True], io.StringIO(), io.StringIO(), display=spy)
+    task = _task()
+    task.write("stdout", "hello\n")
+    relay.pump([task], final=True)
+    assert spy.calls == []
+
+
+def test_the_same_warning_from_every_rank_is_written_once_with_the_ranks(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(relay_module.time, "monotonic", lambda: clock[0])
+    err = io.StringIO()
+    relay = OutputRelay([True, True], io.StringIO(), err)
+    warning = "/x/dataloader.py:759: UserWarning: 'pin_memory' argument is set as true\n"
+    a, b = _task(), _task()
+    a.write("stderr", warning + "  super().__init__(loader)\n")
+    relay.pump([a, b])
+    assert err.getvalue() == ""  # waiting for rank 1's copy
+    clock[0] += 0.2
+    b.write("stderr", warning + "  super().__init__(loader)\n")
+    relay.pump([a, b])
+    assert err.getvalue() == (
+        "[ranks 0,1] /x/dataloader.py:759: UserWarning: 'pin_memory' argument is set as true\n"
+        "[ranks 0,1]   super().__init__(loader)\n"
+    )
+    # Values that differ in a memory address only are the same line; a line of one rank goes
+    # out once it has waited MERGE_S for the others.
+    a.write("stderr", "<History object at 0x7fcf0001>\nonly on rank 0\n")
+    b.write("stderr", "<History object at 0x7fcf0abc>\n")
+    relay.pump([a, b])
+    clock[0] += OutputRelay.MERGE_S
+    relay.pump([a, b])
+    assert err.getvalue().splitlines()[2:] == [
+        "[ranks 0,1] <History object at 0x7fcf0001>",
+        "[rank 0] only on rank 0",
+    ]
+
+
+def test_ranks_labels():
+    from nbdist.kernel.relay import ranks_label
+
+    assert ranks_label([3]) == "[rank 3]"
+    assert ranks_label([1, 0]) == "[ranks 0,1]"
+    assert ranks_label([0, 1, 2, 3, 7, 9, 10]) == "[ranks 0-3,7,9,10]"
+
+
+def test_a_finished_line_the_client_folds_later_is_not_read_again():
+    """A carriage return at the end of one message, the line that overwrites it in the next
+    (no carriage return in it: nothing folded yet), a newline: then a later message with a
+    carriage return folds that finished line, and everything after it moves."""
+    out = io.StringIO()
+    relay = OutputRelay([True], out, io.StringIO())
+    task = _task()
+    for chunk in [
+        "Epoch 1/2\n",
+        " 8/32 ━━ - loss: 5.0000\b\b\b\r",
+        "32/32 ━━━━━━━━ - loss: 1.2000\n",
+        "Epoch 2/2\n",
+    ]:
+        task.write("stdout", chunk)
+        relay.pump([task])
+    # One message folds line 2 (26 characters shorter) and finishes a line: read by offset,
+    # the new line came out as "00".
+    task.write("stdout", " 1/32 ━ - loss: 1.1000\b\b\r32/32 ━━━━━━━━ - loss: 0.9000\n")
+    relay.pump([task], final=True)
+    assert out.getvalue().splitlines() == [
+        "[rank 0] Epoch 1/2",
+        "[rank 0] 32/32 ━━━━━━━━ - loss: 1.2000",
+        "[rank 0] Epoch 2/2",
+        "[rank 0] 32/32 ━━━━━━━━ - loss: 0.9000",
+    ]

@@ -3,12 +3,14 @@ the ones recorded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -416,3 +418,62 @@ def test_a_record_an_older_nbdist_wrote_is_left_to_it(tmp_path, sleepers):
     time.sleep(0.2)
     assert victim.poll() is None
     assert [p.name for p in tmp_path.iterdir()] == [old.name]
+
+
+def test_socket_paths_fit_the_platform(tmp_path, monkeypatch):
+    """macOS (and the BSDs) take 103-byte socket paths, not 107: a folder that fits on Linux
+    may be too deep there."""
+    assert runfiles.socket_path_max("linux") == 107
+    assert runfiles.socket_path_max("darwin") == 103
+    folder = tmp_path / (
+        "d" * (105 - len(str(tmp_path / "nbdist-4194304-abcdefgh.ipc" / "s:65535")))
+    )
+    assert runfiles.longest_socket_path(folder) == 106
+    monkeypatch.setattr(runfiles, "run_dir_candidates", lambda: [folder])
+    assert runfiles.run_dir() == folder
+    monkeypatch.setattr(runfiles.sys, "platform", "darwin")
+    with pytest.raises(ClusterError, match=r"\(106 bytes, at most 103\)"):
+        runfiles.run_dir()
+
+
+def test_processes_are_known_without_proc(monkeypatch):
+    """Without /proc (macOS), psutil's create time stands for a process's start."""
+    import psutil
+
+    monkeypatch.setattr(runfiles, "_HAS_PROC", False)
+    me = (os.getpid(), runfiles.started(os.getpid()))
+    assert me[1] == psutil.Process().create_time()
+    assert runfiles.same_process(me)
+    assert not runfiles.same_process((os.getpid(), me[1] - 1))
+
+
+def test_a_full_disk_is_said_in_one_line(stopped, monkeypatch):
+    """The run folder on a full file system (here a 64 KiB tmpfs, filled): nbdist's own
+    error, not a raw OSError traceback, and nothing started."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    import tempfile
+
+    disk = Path(tempfile.mkdtemp(prefix="full-"))  # short: the controller's socket paths fit
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode:
+        disk.rmdir()
+        pytest.skip("could not mount a tmpfs here")
+    try:
+        with contextlib.suppress(OSError):
+            (disk / "filler").write_bytes(b"x" * (1 << 20))  # ENOSPC: the disk is full now
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(disk))
+        magics, nothing_started = stopped
+        with pytest.raises(ClusterError) as info:
+            magics.distrain("start -n 2")
+        assert str(info.value) == (
+            "could not start 2 local engines: no space left on the disk that holds nbdist's run "
+            f"files ({disk / 'nbdist'}). Free some space there, or set XDG_RUNTIME_DIR to a "
+            "folder on another disk, then run %distrain start again."
+        )
+        nothing_started()
+    finally:
+        subprocess.run(["umount", str(disk)])
+        disk.rmdir()

@@ -1,5 +1,7 @@
 """The scaling study's arithmetic and report (``%%distrain --scan``)."""
 
+import base64
+
 import pytest
 
 from nbdist import DistrainResult, ScanResult
@@ -58,7 +60,7 @@ def test_run_scan_runs_each_count_then_shows_figure_and_table():
     assert printed[:2] == ["nbdist: scan: 1 worker", "nbdist: scan: 2 workers"]
     assert printed[2] == scan.table()
     assert shown[0]["text/plain"] == "<nbdist scan: throughput vs workers>"
-    assert shown[0]["image/png"].startswith(b"\x89PNG")
+    assert base64.b64decode(shown[0]["image/png"]).startswith(b"\x89PNG")
 
 
 def test_without_samples_speedup_is_a_ratio_of_wall_times():

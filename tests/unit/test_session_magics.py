@@ -75,13 +75,13 @@ def test_export_after_only_a_push_says_so(idle, tmp_path):
 
 
 def test_auto_mode_prefixes_plain_cells_only(idle, shell):
+    assert idle._transform in shell.input_transformers_cleanup
     idle._subcommand("auto on")
     try:
-        assert idle._auto_prefix(["x = 1\n"]) == ["%%distrain\n", "x = 1\n"]
-        assert idle._auto_prefix(["%%local\n", "x = 1\n"]) == ["%%local\n", "x = 1\n"]
-        assert idle._auto_prefix(["%distrain auto off\n"]) == ["%distrain auto off\n"]
-        assert idle._auto_prefix in shell.input_transformers_cleanup
+        assert idle._transform(["x = 1\n"]) == ["%%distrain\n", "x = 1\n"]
+        assert idle._transform(["%%local\n", "x = 1\n"]) == ["x = 1\n"]
+        assert idle._transform(["%distrain auto off\n"]) == ["%distrain auto off\n"]
     finally:
         idle._subcommand("auto off")
-    assert idle._auto_prefix not in shell.input_transformers_cleanup
-    assert idle._auto_prefix(["x = 1\n"]) == ["x = 1\n"]
+    assert idle._transform(["x = 1\n"]) == ["x = 1\n"]
+    assert idle._transform(["%%local\n"]) == ["\n"]

@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 import threading
 
-from nbdist.engine.waiting import WHERE_KEY, WhereReporter, place
+from nbdist.engine.waiting import WhereReporter, place
 from nbdist.engine.worker import run_source
+from nbdist.protocol import WHERE_KEY, Waiting
 
 CELL = "<%%distrain cell 99>"
 
 
 def test_place_is_the_cells_innermost_line():
     frame = run_source("x = 1\ngrab()\n", CELL, {"grab": sys._getframe})
-    assert place(frame, CELL) == {"line": 2, "line_text": "grab()", "collective": None}
+    assert place(frame, CELL) == Waiting(line=2, line_text="grab()", collective=None)
 
 
 def test_no_place_outside_the_cell():
@@ -39,5 +40,5 @@ def test_reporter_publishes_a_place_held_for_two_samples():
     release.set()
     worker.join()
     assert published[0] == {
-        WHERE_KEY: {"line": 1, "line_text": "released = release.wait(10)", "collective": None}
+        WHERE_KEY: Waiting(line=1, line_text="released = release.wait(10)", collective=None)
     }

@@ -27,7 +27,8 @@ A backend module provides:
     once per engine: import the framework (``preload``) and size its thread pools.
 ``prepare(*, rank, world_size, options, state)``
     once per new rendezvous, on every engine: the engine's part of it (e.g. a port it opened),
-    or ``{"restart": reason}`` when this engine process cannot take part any more.
+    as a ``nbdist.protocol.Prepared`` (``restart``: why this engine process cannot take part
+    any more).
 ``rendezvous(hosts, prepared)``
     pure: engine hosts (in rank order) and what ``prepare`` returned → each rank's environment.
 ``session(spec, state)``
@@ -36,9 +37,22 @@ A backend module provides:
 ``healthy(state, *, timeout)``
     after a cell failed on every rank: None when the group still works (a check that returns
     within about ``timeout`` seconds), else why not.
+``stop_board(spec, state)``
+    during a run: where its ranks agree on the step a graceful stop ends at
+    (:class:`nbdist.engine.stopping.Board`), or None where the backend has none (the notebook
+    then interrupts the old way).
 ``recover(state)``
     once the cells' objects are gone: leave the engine ready for a new rendezvous (or a new
     strategy), and free peers still blocked in a collective.
+
+and these constants: ``NAME`` (as ``--framework`` spells it), ``TITLE`` (as messages do),
+``MODULE`` (what must be installed), ``CELL_NAMES`` (the names a cell of it uses),
+``FLAGS`` (the %%distrain flags that are its own), ``CHOSEN_BY`` (those of them that choose it
+when ``--framework`` is not given), ``PRELOAD_AT_START`` (whether engines may
+import it as they start), ``SAME_STEPS`` (the fix for ranks that ran different numbers of
+steps), ``KEEPS_RENDEZVOUS_AFTER_FAILURE``, ``RELEASE_FREES_PEERS``, ``SURVIVES_INTERRUPT``,
+``OUTPUT_NOISE``; and ``rendezvous_key(options, *, gpus, world)`` (what a group is made for)
+and ``opens_servers(options)`` (whether its job listens for code from anybody).
 
 Adding a framework is one new module and one line in ``_MODULES``.
 """
@@ -54,6 +68,11 @@ _MODULES = {
 }
 
 FRAMEWORKS = tuple(_MODULES)
+
+
+def all_backends() -> list[ModuleType]:
+    """Every backend, in ``FRAMEWORKS`` order (the first installed one is the default)."""
+    return [load(name) for name in FRAMEWORKS]
 
 
 def load(framework: str) -> ModuleType:

@@ -29,10 +29,28 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine.spec import RankSpec
+from nbdist.engine import stopping
 from nbdist.engine.state import EngineState
+from nbdist.protocol import Prepared, RankSpec
 
 NAME = "tf"
+TITLE = "TensorFlow"  # how messages name it
+MODULE = "tensorflow"  # what must be installed for it
+# The names a cell of this framework uses (imports, bare names): how nbdist tells which one a
+# cell is for.
+CELL_NAMES = frozenset({"tensorflow", "tf", "keras", "strategy"})
+FLAGS = ("strategy",)  # the %%distrain flags that are this framework's own
+CHOSEN_BY = ("strategy",)  # ... and those that choose it when --framework is not given
+# TensorFlow starts its runtime at import (and loads CUDA libraries before the GPU pinning):
+# imported by the warm-up call, after the engine registered.
+PRELOAD_AT_START = False
+# What ranks that ran different numbers of steps should do instead.
+SAME_STEPS = (
+    "give every worker the same number of steps (the same steps_per_epoch, a dataset each "
+    "worker reads the same number of batches from)"
+)
+# Stop ends a Keras fit at a batch every worker reaches (stop_board: the coordination service).
+GRACEFUL_STOP = True
 KEEPS_RENDEZVOUS_AFTER_FAILURE = True
 # A worker that finished cannot free a peer blocked in a collective with it (the collective
 # timeout does), and dropping its strategy meanwhile crashed TensorFlow: a segfault in the
@@ -71,6 +89,17 @@ def peer_release_s(options: Mapping[str, Any]) -> float:
     return collective_timeout(options)
 
 
+def rendezvous_key(options: Mapping[str, Any], *, gpus: bool, world: int) -> tuple[Any, ...]:
+    """What a strategy is made for (``--timeout`` left out, as for torch)."""
+    return (NAME, options.get("strategy") or "multiworker", world)
+
+
+def opens_servers(options: Mapping[str, Any]) -> bool:
+    """MultiWorkerMirroredStrategy starts a gRPC server in every worker, which runs any code
+    sent to it; ``--strategy mirrored`` runs in one process and opens none."""
+    return options.get("strategy") != "mirrored"
+
+
 def workers_used(options: Mapping[str, Any], available: int) -> int:
     """MirroredStrategy runs in one engine (over that machine's GPUs); MWMS on all of them."""
     return 1 if options.get("strategy") == "mirrored" else available
@@ -93,7 +122,15 @@ def preload() -> None:
 def warm_up(*, local_world_size: int, cpus: int) -> None:
     import tensorflow as tf
 
+    from nbdist.engine.state import engine_state
+
     preload()
+    index = engine_state().cuda_index
+    gpus = tf.config.list_physical_devices("GPU")
+    if index is not None and local_world_size > 1 and index < len(gpus):
+        # The engine sees its host's GPUs (as torch's cuda:<local rank> needs); a worker of a
+        # multi-worker strategy uses its own only, as one worker per GPU.
+        tf.config.set_visible_devices(gpus[index], "GPU")
 
     # Threading must be set before TensorFlow runs its first op in this process.
     threads = max(1, cpus // max(1, local_world_size))
@@ -107,28 +144,28 @@ def prepare(
     slot = state.slot(NAME)
     mode = _mode(options)
     if slot.get("mode") not in (None, mode):
-        return {
-            "restart": f"TensorFlow in these workers already ran {slot['mode']} collectives and "
+        return Prepared(
+            restart=f"TensorFlow in these workers already ran {slot['mode']} collectives and "
             f"cannot switch to {mode} in the same process"
-        }
+        )
     configured = slot.get("tf_config")
     if mode == "multiworker" and configured is not None:
         workers = len(json.loads(configured)["cluster"]["worker"])
         if workers != world_size:
-            return {
-                "restart": f"TensorFlow in these workers is set up for {workers} workers and "
+            return Prepared(
+                restart=f"TensorFlow in these workers is set up for {workers} workers and "
                 f"cannot join a job of {world_size} in the same process"
-            }
+            )
     if "port" not in slot:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((state.address or "127.0.0.1", 0))
             slot["port"] = s.getsockname()[1]
-    return {"port": slot["port"]}
+    return Prepared(info={"port": slot["port"]})
 
 
-def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+def rendezvous(hosts: Sequence[str], prepared: Sequence[Prepared]) -> list[dict[str, str]]:
     """Per-rank ``TF_CONFIG``: every engine a worker, task index = rank."""
-    workers = [f"{host}:{p['port']}" for host, p in zip(hosts, prepared, strict=True)]
+    workers = [f"{host}:{p.info['port']}" for host, p in zip(hosts, prepared, strict=True)]
     return [
         {
             "TF_CONFIG": json.dumps(
@@ -262,16 +299,21 @@ def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
             super().__init__()
             self.per_worker = per_worker
             self.mean = 0.0
-
-        def on_train_begin(self, logs: Any = None) -> None:
-            steps, epochs = self.params.get("steps"), self.params.get("epochs")
-            if steps and epochs:
-                recorder.expect(steps * epochs)
+            self.synced = False
+            self.stop: stopping.StopAtStep | None = None
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self.mean = 0.0
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self._record(batch, logs)
+            try:  # a graceful stop ends fit after this batch, on every worker alike
+                stopping.boundary("batch")
+            except stopping.StopAtStep as stop:
+                self.model.stop_training = True
+                self.stop = stop
+
+        def _record(self, batch: int, logs: Any) -> None:
             if not logs or "loss" not in logs:
                 return
             mean = float(logs["loss"])
@@ -281,6 +323,20 @@ def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
             if self.per_worker:
                 metrics["samples"] = self.per_worker
             recorder.auto(**metrics)
+            recorder.steps += 1
+            if self.synced:  # each batch all-reduced its gradients across the workers
+                recorder.collectives = (recorder.collectives or 0) + 1
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            steps, epochs = self.params.get("steps"), self.params.get("epochs")
+            if steps and epochs:
+                recorder.expect(steps * epochs)
+            recorder.model(self.model)
+            # A model built outside strategy.scope() trains on this worker alone.
+            strategy = getattr(self.model, "distribute_strategy", None)
+            self.synced = getattr(strategy, "num_replicas_in_sync", 1) > 1
+            if recorder.collectives is None:
+                recorder.collectives = 0
 
     real_fit = keras.Model.fit
 
@@ -294,9 +350,13 @@ def _autolog(recorder: Any, world_size: int) -> Iterator[None]:
         if batch:
             recorder.meta(global_batch=batch, per_replica_batch=batch // world_size)
         callbacks = list(kwargs.get("callbacks") or [])
-        callbacks.append(_Autolog(batch // world_size if batch else None))
+        autolog = _Autolog(batch // world_size if batch else None)
+        callbacks.append(autolog)
         kwargs["callbacks"] = callbacks
-        return real_fit(self, *args, **kwargs)
+        history = real_fit(self, *args, **kwargs)
+        if autolog.stop is not None:  # fit ended at the agreed batch: so does the cell
+            raise autolog.stop
+        return history
 
     own = "fit" in vars(keras.Model)  # fit is inherited from the backend's trainer
     keras.Model.fit = fit
@@ -331,6 +391,16 @@ def _quiet() -> Iterator[None]:
             yield
     finally:
         absl.setLevel(level)
+
+
+def stop_board(spec: RankSpec, state: EngineState) -> Any:
+    """The coordination service's key-value store that every worker of the strategy reaches
+    (one worker: a board of its own)."""
+    if spec.world_size == 1:
+        return stopping.OneRank()
+    from tensorflow.python.eager import context
+
+    return stopping.KeyValueBoard(context.context(), spec.nonce or str(spec.run_id))
 
 
 def healthy(state: EngineState, *, timeout: float) -> str | None:

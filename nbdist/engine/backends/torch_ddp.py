@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -30,12 +31,34 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import hardware
+from nbdist.engine import hardware, stopping
 from nbdist.engine.env import patch_environment
-from nbdist.engine.spec import RankSpec
+from nbdist.engine.libraries import libraries_join, reset_accelerate
 from nbdist.engine.state import EngineState
+from nbdist.protocol import Prepared, RankSpec
 
 NAME = "torch"
+TITLE = "torch"  # how messages name it
+MODULE = "torch"  # what must be installed for it
+# The names a cell of this framework uses (imports, bare names): how nbdist tells which one a
+# cell is for.
+CELL_NAMES = frozenset({"torch", "nn", "dist", "DistributedDataParallel", "DDP"})
+FLAGS = ("backend",)  # the %%distrain flags that are this framework's own
+CHOSEN_BY: tuple[str, ...] = ()  # ... and those that choose it when --framework is not given
+PRELOAD_AT_START = True  # importing torch starts no thread and touches no device
+# What ranks that ran different numbers of steps should do instead.
+SAME_STEPS = (
+    "give every rank the same number of batches (DistributedSampler pads; drop_last=True), or "
+    "wrap the loop in torch.distributed.algorithms.Join"
+)
+# On hosts whose names do not resolve, c10d logs a warning for each peer it connects to (it
+# looks the peer's name up for its own log): left out of the cell, kept in the result's stderr.
+OUTPUT_NOISE = (
+    r"\[W\d{4} [\d:.]+(?: +\d+)? socket\.cpp:\d+\] \[c10d\] The hostname of the client "
+    r"socket cannot be retrieved"
+)
+# Stop ends a run at an optimizer step every rank reaches (stop_board: the TCPStore).
+GRACEFUL_STOP = True
 KEEPS_RENDEZVOUS_AFTER_FAILURE = False
 RELEASE_FREES_PEERS = True  # a rank that destroys its group frees its blocked peers in ~1 s
 SURVIVES_INTERRUPT = True  # an interrupted rank drops its group and works on
@@ -44,8 +67,27 @@ COLLECTIVE_TIMEOUT_S = 60
 log = logging.getLogger(__name__)
 
 
+def rendezvous_key(options: Mapping[str, Any], *, gpus: bool, world: int) -> tuple[Any, ...]:
+    """What a process group is made for, with the defaults resolved (``--backend gloo`` on CPU
+    is the group a cell without the flag gets). ``--timeout`` is left out: a group keeps the
+    collective timeout it was made with."""
+    return (NAME, options.get("backend") or ("nccl" if gpus else "gloo"), world)
+
+
+def opens_servers(options: Mapping[str, Any]) -> bool:
+    """Whether a job starts servers that accept code from anybody: not torch's."""
+    return False
+
+
 def workers_used(options: Mapping[str, Any], available: int) -> int:
     return available
+
+
+def collective_timeout(options: Mapping[str, Any]) -> float:
+    """Seconds a collective waits for a peer before it fails: the default, or ``--timeout``
+    when shorter, for the group a cell makes (it keeps the timeout it was made with)."""
+    limit = options.get("timeout")
+    return min(COLLECTIVE_TIMEOUT_S, limit) if limit else COLLECTIVE_TIMEOUT_S
 
 
 def peer_release_s(options: Mapping[str, Any]) -> float:
@@ -111,13 +153,13 @@ def _unpin_device_meshes() -> None:
 
 def prepare(
     *, rank: int, world_size: int, options: Mapping[str, Any], state: EngineState
-) -> dict[str, Any]:
+) -> Prepared:
     import torch.distributed as dist
 
     slot = state.slot(NAME)
     _teardown(slot)
     if rank != 0:
-        return {}
+        return Prepared()
     addr = options.get("master_addr", "127.0.0.1")
     # The store listens on the address the other ranks use (loopback for a local cluster), on a
     # port the OS picks; TCPStore on its own would listen on every interface.
@@ -125,28 +167,42 @@ def prepare(
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.bind((addr, 0))
     listener.listen(128)
-    store = dist.TCPStore(
-        addr,
-        listener.getsockname()[1],
-        world_size,
-        True,
+    store_args = dict(
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
+    try:
+        store = dist.TCPStore(addr, listener.getsockname()[1], world_size, True, **store_args)
+    except NotImplementedError:
+        # torch 2.4-2.7: the libuv store (their default) cannot take a listening socket
+        # (pytorch#150215, fixed in 2.8); the older one can.
+        store = dist.TCPStore(
+            addr, listener.getsockname()[1], world_size, True, use_libuv=False, **store_args
+        )
     listener.detach()  # the store owns the descriptor now and closes it when it goes
     slot["store"] = store
-    return {"port": store.port}
+    return Prepared(info={"port": store.port})
 
 
-def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Per-rank ``torch.distributed`` environment: the ``env://`` variables, rank 0 as master."""
+def rendezvous(hosts: Sequence[str], prepared: Sequence[Prepared]) -> list[dict[str, str]]:
+    """Per-rank environment, as torchrun gives its workers: the ``env://`` variables with rank
+    0 as master, the node (``GROUP_*``) and role variables, and ``TORCHELASTIC_RUN_ID``, by
+    which libraries (Lightning) recognise processes a launcher started for them; and
+    Lightning's devices per node and nodes: for a ``Trainer`` as defaults (``PL_TRAINER_*``,
+    its own arguments win), for ``Fabric`` as its CLI would give them (``LT_*``: they win over
+    its arguments; ``Fabric()`` would otherwise take one device per process). Not
+    ``TORCHELASTIC_USE_AGENT_STORE``: it would make a later ``env://`` rendezvous connect to
+    nbdist's store instead of its own.
+    """
     world = len(hosts)
     seen: dict[str, int] = {}
     local_ranks = []
     for host in hosts:
         local_ranks.append(seen.get(host, 0))
         seen[host] = seen.get(host, 0) + 1
+    nodes = list(seen)
+    port = str(prepared[0].info["port"])
     return [
         {
             "RANK": str(rank),
@@ -154,7 +210,19 @@ def rendezvous(hosts: Sequence[str], prepared: Sequence[Mapping[str, Any]]) -> l
             "LOCAL_RANK": str(local_ranks[rank]),
             "LOCAL_WORLD_SIZE": str(seen[host]),
             "MASTER_ADDR": hosts[0],
-            "MASTER_PORT": str(prepared[0]["port"]),
+            "MASTER_PORT": port,
+            "GROUP_RANK": str(nodes.index(host)),
+            "GROUP_WORLD_SIZE": str(len(nodes)),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "TORCHELASTIC_RUN_ID": f"nbdist-{hosts[0]}-{port}",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "PL_TRAINER_DEVICES": str(seen[host]),
+            "PL_TRAINER_NUM_NODES": str(len(nodes)),
+            "LT_DEVICES": str(seen[host]),
+            "LT_NUM_NODES": str(len(nodes)),
         }
         for rank, host in enumerate(hosts)
     ]
@@ -219,16 +287,85 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
                 store=store,
                 rank=spec.rank,
                 world_size=spec.world_size,
-                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                timeout=datetime.timedelta(seconds=collective_timeout(spec.options)),
             )
             slot.update(port=port, store=store, backend=backend, ifnames=ifnames)
+            reset_accelerate()  # its state was made for the group before this one
         if backend == "nccl":
-            torch.cuda.set_device(0)  # each engine sees exactly its own GPU, as device 0
-            device = torch.device("cuda", 0)
+            # Its own GPU among its host's (the local rank's, as under torchrun).
+            device = torch.device("cuda", state.cuda_index or 0)
+            torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        with _owned_process_group(slot["backend"], device), _autolog(state.recorder):
+        with (
+            _owned_process_group(slot["backend"], device),
+            libraries_join(cpu=device.type == "cpu"),
+            _autolog(state.recorder),
+            _count_collectives(state.recorder),
+            _no_process_launchers(spec.world_size),
+            _stop_at_optimizer_steps(),
+        ):
             yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
+
+
+@contextmanager
+def _no_process_launchers(world_size: int) -> Iterator[None]:
+    """``torch.multiprocessing.spawn`` / ``start_processes`` raise at once while a cell runs.
+
+    They are how code starts one process per rank: ``mp.spawn`` in a script's ``main``,
+    Lightning's ``ddp_notebook``/``ddp_spawn``/``ddp_fork`` strategies, accelerate's
+    ``notebook_launcher``. In a worker, which already is one rank of a group, the processes
+    they start cannot join it: forked from an engine, they hung until ``--stall``.
+    """
+    import torch.multiprocessing as mp
+
+    def refuse(name: str) -> Any:
+        def launcher(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"torch.multiprocessing.{name}() starts worker processes from a %%distrain "
+                f"cell, and this worker already is one of its {world_size} ranks: the processes "
+                "it would start cannot join the group. Call the worker function directly, "
+                "fn(rank, world_size); with Lightning use strategy='ddp' (not ddp_notebook, "
+                "ddp_spawn or ddp_fork), with accelerate Accelerator() (not notebook_launcher)."
+            )
+
+        return launcher
+
+    real = {name: getattr(mp, name) for name in ("spawn", "start_processes")}
+    for name in real:
+        setattr(mp, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(mp, name, fn)
+
+
+def collectives_run() -> int:
+    """Collectives this process has issued on all its process groups so far: each group counts
+    its own in a sequence number (gloo and nccl alike; DDP's gradient all-reduce included)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    total = 0
+    for group in list(c10d._world.pg_map):
+        try:
+            total += group._get_sequence_number_for_group()
+        except (AttributeError, RuntimeError):  # a backend that does not count
+            continue
+    return total
+
+
+@contextmanager
+def _count_collectives(recorder: Any) -> Iterator[None]:
+    """Tell the recorder how many collectives ran on this rank during the cell."""
+    if recorder is None:
+        yield
+        return
+    before = collectives_run()
+    try:
+        yield
+    finally:
+        recorder.collectives = collectives_run() - before
 
 
 @contextmanager
@@ -245,8 +382,9 @@ def _autolog(recorder: Any) -> Iterator[None]:
     the next point, like the batch size does.
     """
     import torch
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
+
+    FSDPModule = _fsdp_module()
 
     if recorder is None or not recorder.autolog:
         yield
@@ -259,6 +397,7 @@ def _autolog(recorder: Any) -> Iterator[None]:
         if self.numel() != 1:
             return real_backward(self, *args, **kwargs)
         recorder.auto(loss=self.detach())
+        recorder.steps += 1
         computed: list[float] = []
         node = self.grad_fn
         handle = (
@@ -286,7 +425,11 @@ def _autolog(recorder: Any) -> Iterator[None]:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             level = getattr(depth, "n", 0)
             if level == 0:
-                shape = getattr(args[0], "shape", None) if args else None
+                recorder.model(self)
+                # The batch: the first argument, or the first tensor given by name
+                # (transformers calls model(input_ids=..., labels=...)).
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                shape = getattr(first, "shape", None)
                 if shape:
                     recorder.pend(samples=int(shape[0]))
             depth.n = level + 1
@@ -308,14 +451,27 @@ def _autolog(recorder: Any) -> Iterator[None]:
     # put every module call of the model on torch's slower hook path. FSDPModule has no forward
     # of its own; one is set for the run and removed after it.
     DistributedDataParallel.forward = counting(real_forward)
-    FSDPModule.forward = counting(fsdp_forward)
+    if FSDPModule is not None:
+        FSDPModule.forward = counting(fsdp_forward)
     torch.Tensor.backward = backward
     try:
         yield
     finally:
         torch.Tensor.backward = real_backward
         DistributedDataParallel.forward = real_forward
-        del FSDPModule.forward
+        if FSDPModule is not None:
+            del FSDPModule.forward
+
+
+def _fsdp_module() -> Any:
+    """FSDP2's module class: ``torch.distributed.fsdp.FSDPModule`` from torch 2.6, under
+    ``torch.distributed._composable.fsdp`` in 2.4 and 2.5; None before."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            return importlib.import_module(name).FSDPModule
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 @contextmanager
@@ -357,6 +513,28 @@ def _owned_process_group(backend: str, device: Any) -> Iterator[None]:
             module.destroy_process_group = real_destroy
 
 
+def stop_board(spec: RankSpec, state: EngineState) -> Any:
+    """The group's TCPStore, under keys of this run (see :mod:`nbdist.engine.stopping`)."""
+    store = state.slot(NAME).get("store")
+    return None if store is None else stopping.StoreBoard(store, spec.nonce or str(spec.run_id))
+
+
+@contextmanager
+def _stop_at_optimizer_steps() -> Iterator[None]:
+    """Every optimizer's step is a step boundary for a graceful stop: a global pre-hook, so
+    the stop comes before an update that no rank takes, after the previous iteration ran to
+    its end (what the loop does after ``opt.step()`` included) on every rank alike."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: stopping.boundary("optimizer", before=True)
+    )
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def healthy(state: EngineState, *, timeout: float) -> str | None:
     import torch
     import torch.distributed as dist
@@ -369,7 +547,7 @@ def healthy(state: EngineState, *, timeout: float) -> str | None:
             # Rank 0 hears from every rank or raises at the timeout, naming who is missing.
             dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
         else:
-            ones = torch.ones(1, device=torch.device("cuda", 0))
+            ones = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
             dist.all_reduce(ones, async_op=True).wait(timeout=wait)
             if ones.item() != dist.get_world_size():
                 return f"all_reduce gave {ones.item():g}, not {dist.get_world_size()}"

@@ -1,0 +1,438 @@
+"""One ``%%distrain`` cell, top to bottom: plan, submit and watch, settle, result.
+
+:meth:`Cell.run` reads as the cell's life:
+
+1. **plan** — the framework, the flags checked against it, the data to push; the workers made
+   ready (engines that died since the last cell replaced, newcomers ranked, the cluster started
+   or resized, the framework imported, the rendezvous made or kept); one
+   :class:`~nbdist.protocol.RankSpec` per rank.
+2. **submit and watch** — :class:`~nbdist.kernel.job.Job` sends every rank its task, relays
+   what they print and log, and escalates when something goes wrong (interrupt, free, kill:
+   see :mod:`nbdist.kernel.job`). Engines that died or had to be killed are given up here, in
+   one place (``cluster.lose``): a local cluster replaces them all, a connected one goes on
+   with the engines that answer.
+3. **settle** — what the cell leaves of the session (:class:`~nbdist.protocol.SessionState`):
+
+   * **kept** — the ranks that failed raised on their own (a typo, a shape error), the others
+     finished, no rank had to be freed or stopped, and a check that cannot hang
+     (:func:`nbdist.engine.worker.check_group`: a barrier with a ``HEALTH_TIMEOUT_S``
+     timeout) passes on every rank. As in a Python REPL, the variables stay.
+   * **dropped** — anything that may have broken the group: one rank raised while others
+     waited in a collective, an interrupt, ``--timeout``, a stall, a failed check. Every rank
+     drops its variables and its part of the group (the variables first: destroying a gloo
+     group under a live DDP model can deadlock); the next cell makes a new rendezvous.
+   * **replaced** — a rank was killed or died, or SIGINT interrupted a framework that cannot
+     go on after it (TensorFlow: ``SURVIVES_INTERRUPT``): the engines were replaced, and their
+     variables went with them.
+4. **result** — the :class:`CellOutcome`: the state, the names lost, and the result to show
+   or the one error to raise (:mod:`nbdist.kernel.failures` words it). The session applies it.
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+
+from nbdist.engine import backends, worker
+from nbdist.engine.hardware import visible_gpus
+from nbdist.errors import DistrainError, JobInterrupted, WorkerError
+from nbdist.kernel import failures, prepare
+from nbdist.kernel.checks import calls
+from nbdist.kernel.display import LiveView
+from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
+from nbdist.kernel.job import Job, Outcome, states
+from nbdist.kernel.libraries import independent_copies
+from nbdist.kernel.local import default_workers
+from nbdist.kernel.options import RunOptions
+from nbdist.kernel.relay import show_displays
+from nbdist.kernel.result import DistrainResult, RankResult
+from nbdist.kernel.source import imported_modules
+from nbdist.protocol import RankSpec, Reason, SessionState
+
+if TYPE_CHECKING:
+    from nbdist.kernel.cluster import Cluster
+    from nbdist.kernel.session import Session
+
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_WAIT_S = HEALTH_TIMEOUT_S + 3.0  # the check itself, plus the round trip
+DROP_WAIT_S = 15.0
+
+
+@dataclass
+class Plan:
+    """What the cell runs on: its framework, the group's size, one spec per rank that runs
+    it, and the specs of the ranks ``--on`` leaves out."""
+
+    framework: str
+    world: int
+    specs: list[RankSpec]
+    left_out: list[RankSpec]
+
+
+@dataclass
+class CellOutcome:
+    """What a cell did to the session, and what it shows."""
+
+    state: SessionState
+    lost: list[str] = field(default_factory=list)  # the workers' variables that are gone
+    error: DistrainError | None = None  # to raise, its last line saying what became of them
+    result: DistrainResult | None = None
+    names: list[str] = field(default_factory=list)  # the variables the workers hold now
+    pulled: dict[str, Any] = field(default_factory=dict)  # --pull's values, for the notebook
+    pull_error: str | None = None  # a --pull name that failed (the cell itself ran)
+    warnings: tuple[str, ...] = ()
+    plan: Plan | None = None
+
+
+class Cell:
+    """One run of ``source`` with ``opts`` in ``session``."""
+
+    def __init__(
+        self, session: Session, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict
+    ) -> None:
+        self.session = session
+        self.opts = opts
+        self.source = source
+        self.tree = tree
+        self.user_ns = user_ns
+        self.job: Job | None = None
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.session.cluster
+
+    def run(self) -> CellOutcome:
+        plan = self.plan()
+        job = self.submit(plan)
+        try:
+            outcome = job.watch_until_done()
+            if outcome.lost:
+                self.give_up_lost(outcome)
+            job.finish(outcome)
+            state, dropped = self.settle(outcome, plan.framework)
+            return self.result(outcome, plan, state, dropped)
+        except KeyboardInterrupt:
+            # An interrupt outside the watch loop's own handling (a second one while the ranks
+            # were being stopped, or one while the results were being shown): stop what may
+            # still run and leave a clean session, never a raw traceback or a half state.
+            return self.interrupted(job, plan.framework)
+
+    # -- 1. plan ---------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """Check the flags, have the cluster and the rendezvous ready; one spec per rank."""
+        opts, session, source = self.opts, self.session, self.source
+        framework = prepare.choose_framework(self.tree, opts, session.framework)
+        prepare.check_flags(opts, framework)
+        push = prepare.check_push(opts.push, self.user_ns)
+        if opts.check:
+            session.report_findings(source, opts.workers or self.cluster.size or None)
+        options = prepare.backend_options(opts)
+        cluster = self.cluster
+        if opts.workers is not None or not cluster.running:  # known before touching the cluster
+            expected = opts.workers or default_workers()
+            _check_ranks(opts, backends.load(framework).workers_used(options, expected))
+        if not cluster.running:
+            prepare.check_gpus(opts, gpus=bool(visible_gpus()))
+            check_tf_exposure_before_start(framework, options, allowed=opts.expose_tf)
+        session.ensure(opts.workers, preload=framework)
+        cluster = self.cluster
+        prepare.check_gpus(opts, gpus=any(e.gpu for e in cluster.engines))
+        available = cluster.size
+        if opts.workers is not None:  # a connected cluster may have more engines than asked for
+            available = min(opts.workers, available)
+        world = backends.load(framework).workers_used(options, available)
+        session.exposure_told = check_tf_exposure(
+            cluster, framework, options, allowed=opts.expose_tf, notify=session.notify,
+            told=session.exposure_told,
+        )  # fmt: skip
+        _check_ranks(opts, world)
+        prepare.warm_up(cluster, framework, session.warm)
+        live = session.rendezvous.get(framework)
+        if live is not None and live.key != prepare.rendezvous_key(cluster, framework, opts, world):
+            session.drop(framework, "a new process group was needed for these flags")
+        envs = prepare.rendezvous(cluster, framework, opts, world, options, session)
+        session.apply_changes()
+        session.framework = framework
+        run_id = session.next_run_id()
+        nonce = uuid.uuid4().hex[:16]
+        job_ranks = list(opts.on) if opts.on is not None else list(range(world))
+        every = [
+            RankSpec(
+                run_id=run_id,
+                framework=framework,
+                source=source,
+                filename=f"<%%distrain cell {run_id}>",
+                rank=e.rank,
+                world_size=world,
+                local_rank=e.local_rank,
+                local_world_size=min(e.local_world_size, world),
+                env=envs[e.rank],
+                options=options,
+                push=push,
+                pull=opts.pull if e.rank == job_ranks[0] else (),
+                ranks=tuple(job_ranks) if opts.on is not None else (),
+                nonce=nonce,
+                autolog=opts.autolog,
+                fresh=opts.fresh,
+            )
+            for e in cluster.engines[:world]
+        ]
+        specs = [every[r] for r in job_ranks]
+        left_out = [s for s in every if s.rank not in job_ranks]
+        return Plan(framework=framework, world=world, specs=specs, left_out=left_out)
+
+    # -- 2. submit and watch ---------------------------------------------------------------------
+    def submit(self, plan: Plan) -> Job:
+        session, opts = self.session, self.opts
+        live_view = LiveView(
+            len(plan.specs),
+            plot=opts.plot,
+            smoothing=opts.smoothing,
+            display=session.display,
+            interrupt_path=session.interrupt_path,
+            expect_metrics=may_log(self.tree, opts.autolog),
+            logy=opts.logy,
+            earlier=session.curve,
+            earlier_key=session.curve_key,
+            hosts=[self.cluster.engines[s.rank].host for s in plan.specs],
+            graceful=backends.load(plan.framework).GRACEFUL_STOP,
+        )
+        session.view = live_view
+        self.job = Job(
+            self.cluster, plan.specs, opts=opts, live=live_view, out=session.out,
+            err=session.err, world=plan.world, left_out=plan.left_out,
+            display=session.display if session.live_progress else None,
+        )  # fmt: skip
+        return self.job
+
+    def give_up_lost(self, outcome: Outcome) -> None:
+        """The ranks that died or had to be killed: the cluster replaces its engines (a local
+        one) or goes on with those that answer (a connected one: nothing is killed there)."""
+        hosts = sorted({outcome.hosts_pids[p][0] for p in outcome.lost})
+        what = self.cluster.lose([outcome.ranks[p] for p in outcome.lost], hosts)
+        outcome.replaced, outcome.shrunk = what == "replaced", what == "shrunk"
+
+    # -- 3. settle -------------------------------------------------------------------------------
+    def settle(self, outcome: Outcome, framework: str) -> tuple[SessionState, list[str]]:
+        """Bring the session to a known state after ``outcome``: the state, and the names of
+        the variables dropped."""
+        cluster, watch = self.cluster, outcome.watch
+        if outcome.replaced:
+            return SessionState.REPLACED, []
+        if outcome.shrunk:  # the engines that answer go on, in a group of their own
+            return SessionState.DROPPED, self.drop(framework, list(range(cluster.size)))
+        interrupted = watch.interrupted or any(f.interrupted for f in outcome.failures)
+        if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
+            why = "an interrupt stopped TensorFlow, which cannot go on after one"
+            cluster.replace_engines(why=why)
+            return SessionState.REPLACED, []
+        if watch.reason is None and not outcome.failures:
+            return SessionState.OK, []
+        # The ranks that raised did so on their own and no rank had to be freed or stopped: the
+        # group may still work; a barrier over the whole group (--on's left-out ranks too) says
+        # whether.
+        own_errors = (
+            watch.reason in (None, Reason.FAILURE)
+            and not outcome.stopped
+            and not outcome.released
+            and not any(failures.lost_peer(f) or f.interrupted for f in outcome.failures)
+        )
+        if own_errors and self._group_works(framework, list(range(outcome.world))):
+            return SessionState.KEPT, []
+        everyone = [r for r in range(cluster.size) if r not in outcome.released]
+        still = {outcome.ranks[p] for p in watch.abandoned}
+        return SessionState.DROPPED, self.drop(
+            framework, everyone, already=outcome.dropped, queued=still
+        )
+
+    def _group_works(self, framework: str, ranks: list[int]) -> bool:
+        ars = [
+            self.cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
+            for r in ranks
+        ]
+        deadline = time.monotonic() + HEALTH_WAIT_S
+        verdicts = []
+        for ar in ars:
+            try:
+                verdicts.append(ar.get(max(0.0, deadline - time.monotonic())))
+            except Exception as e:  # timed out or failed: the group cannot be trusted
+                verdicts.append(f"{type(e).__name__}: {e}")
+        return all(v is None for v in verdicts)
+
+    def drop(
+        self,
+        framework: str,
+        ranks: list[int],
+        *,
+        already: set[str] | None = None,
+        queued: set[int] = frozenset(),
+    ) -> list[str]:
+        return drop(
+            self.cluster, self.session.rendezvous, framework, ranks, already=already,
+            queued=queued,
+        )  # fmt: skip
+
+    # -- 4. result -------------------------------------------------------------------------------
+    def result(
+        self, outcome: Outcome, plan: Plan, state: SessionState, dropped: list[str]
+    ) -> CellOutcome:
+        session, opts, job = self.session, self.opts, self.job
+        live_view = job.live
+        meta = outcome.meta
+        detail = (
+            f", global batch {meta.global_batch} = {meta.per_replica_batch} per replica "
+            f"x {len(plan.specs)}"
+            if meta.global_batch
+            else ""
+        )
+        summary = live_view.finish(
+            outcome.history, states(outcome.ars, outcome.watch), wall=outcome.wall,
+            framework=plan.framework, detail=detail, key=meta.model,
+        )  # fmt: skip
+        if summary is not None:
+            print(summary, file=session.out, flush=True)
+        segment = live_view.agg.segment()
+        if segment is not None:
+            session.curve = [*session.curve, segment] if live_view.continued else [segment]
+            session.curve_key = live_view.key
+        show_displays(outcome.ars, outcome.ranks, session.publish)
+        cluster = self.cluster
+        error = failures.error_for(outcome, opts, cluster)
+        if isinstance(error, WorkerError):
+            note = failures.network_note(error.failures, cluster.network)
+            if note is not None:
+                error.notes.append(note)
+        lost = []
+        if state == SessionState.REPLACED:
+            lost = sorted({*dropped, *session.variables})
+        elif state == SessionState.DROPPED:
+            lost = dropped
+        if error is not None:
+            line = failures.state_line(state, lost, connected_stale=cluster.stale)
+            error.state = line or error.state  # a graceful stop's says what it kept
+            if outcome.watch.abandoned:
+                still = [cluster.engines[outcome.ranks[p]] for p in outcome.watch.abandoned]
+                error.state = "\n".join(filter(None, [error.state, failures.still_running(still)]))
+            return CellOutcome(state=state, lost=lost, error=error)
+        reports = outcome.reports
+        warnings: tuple[str, ...] = ()
+        if opts.on is None:
+            warning = independent_copies(
+                [reports[p] for p in sorted(reports)], imported_modules(self.tree)
+            )
+            if warning is not None:
+                print(warning, file=session.err, flush=True)
+                warnings = (warning,)
+        pull_errors = [r.pull_error for r in reports.values() if r.pull_error]
+        stopped_at = {r.rank: r.stopped_at for r in reports.values() if r.stopped_at is not None}
+        return CellOutcome(
+            # A graceful stop: the cell's outcome is kept as a finished cell's is, and the
+            # session raises the notice after taking it in.
+            error=failures.graceful_stop(stopped_at) if stopped_at else None,
+            state=state,
+            lost=lost,
+            result=_result(outcome, plan.framework, warnings),
+            names=reports[0].names,
+            pulled=reports[0].pulled,
+            pull_error=pull_errors[0] if pull_errors else None,
+            warnings=warnings,
+            plan=plan,
+        )
+
+    def interrupted(self, job: Job, framework: str) -> CellOutcome:
+        session, cluster = self.session, self.cluster
+        session.rendezvous.pop(framework, None)  # whatever the ranks did: a new group
+        names: list[str] = []
+        try:
+            # Not when clean-up replaced the engines and was interrupted: the cluster is stopped
+            # then (see LocalCluster.replace_engines), and the next cell starts a new one.
+            if cluster.running and max(job.ranks) < cluster.size:
+                cluster.interrupt(job.ranks)
+                names = self.drop(framework, list(range(cluster.size)))
+        except KeyboardInterrupt:  # yet another: the rendezvous is gone already, that is enough
+            pass
+        lost = sorted({*names, *session.variables})
+        error = JobInterrupted(
+            "interrupted (Stop button or Kernel > Interrupt); stopped ranks "
+            f"{', '.join(map(str, job.ranks))}."
+        )
+        state = SessionState.DROPPED if cluster.running else SessionState.STOPPED
+        error.state = failures.state_line(state, lost, connected_stale=cluster.stale)
+        return CellOutcome(state=state, lost=lost, error=error)
+
+
+def drop(
+    cluster: Cluster,
+    rendezvous: dict[str, Any],
+    framework: str,
+    ranks: list[int],
+    *,
+    already: set[str] | None = None,
+    queued: set[int] = frozenset(),
+) -> list[str]:
+    """Every rank in ``ranks`` drops its variables and its part of the group; returns the
+    names dropped (with ``already``, those dropped earlier in the same job). A rank that does
+    not confirm in time gets the engines replaced: the next cell must start clean. Ranks in
+    ``queued`` still run the cell (a connected engine nbdist may not kill): their drop waits
+    behind it, and the next cell behind that."""
+    # First, so that an interrupt during the waits below cannot leave the next cell on this
+    # rendezvous: some ranks may have destroyed their part of it already.
+    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+        rendezvous.pop(framework, None)
+    names = set(already or ())
+    ars = {r: cluster.apply_async(r, worker.drop_session, framework) for r in ranks}
+    deadline = time.monotonic() + DROP_WAIT_S
+    stuck = []
+    for r, ar in ars.items():
+        if r in queued:
+            continue
+        try:
+            names.update(ar.get(max(0.0, deadline - time.monotonic())))
+        except Exception:
+            stuck.append(r)
+    if stuck:
+        why = f"rank {stuck[0]} could not leave its process group cleanly"
+        cluster.replace_engines(why=why)
+    return sorted(names)
+
+
+def _result(outcome: Outcome, framework: str, warnings: tuple[str, ...] = ()) -> DistrainResult:
+    reports = outcome.reports
+    return DistrainResult(
+        framework=framework,
+        warnings=warnings,
+        world_size=len(outcome.ranks),
+        wall=outcome.wall,
+        ranks=tuple(
+            RankResult(
+                rank=rank,
+                host=reports[p].host,
+                value=reports[p].value,
+                value_repr=reports[p].value_repr,
+                wall=reports[p].wall,
+                stdout=outcome.ars[p].stdout or "",
+                stderr=outcome.ars[p].stderr or "",
+            )
+            for p, rank in enumerate(outcome.ranks)
+        ),
+        history=tuple({**h, "rank": outcome.ranks[h["rank"]]} for h in outcome.history),
+    )
+
+
+def _check_ranks(opts: RunOptions, world: int) -> None:
+    for flag, ranks in (("--ranks", opts.ranks), ("--on", opts.on)):
+        if ranks is not None and max(ranks) >= world:
+            raise UsageError(
+                f"%%distrain: {flag} {max(ranks)} does not exist; ranks go from 0 to {world - 1}."
+            )
+
+
+def may_log(tree: ast.Module, autolog: bool) -> bool:
+    """Whether the cell records metrics: it calls ``log``, or autolog sees ``backward``/``fit``."""
+    names = ("log", "backward", "fit") if autolog else ("log",)
+    return any(calls(tree, *names))

@@ -1,0 +1,229 @@
+"""A connected cluster: an ipyparallel cluster started elsewhere (``ipcluster start`` with any
+launcher, or a controller and engines started by hand) that ``%distrain connect`` attached to.
+
+nbdist never starts, stops, kills or restarts its engines: they may run on other hosts, under a
+launcher that owns them. An engine the controller stops hearing (it died, or its host is
+unreachable) is left out, and the session goes on with those that answer; engines that register
+later join at the next cell. When the workers need a restart only the user can give them, the
+cluster is *stale*: every message says so, with the command to restart it in the words the
+user connected with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from nbdist.engine import worker
+from nbdist.errors import ClusterError
+from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo, RankedEngines, settle_addresses
+from nbdist.protocol import EngineReport
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class ConnectedCluster(RankedEngines):
+    """The engines of a cluster started elsewhere, by rank."""
+
+    def __init__(self, *, notify: Callable[[str], None] = log.info) -> None:
+        super().__init__(notify=notify)
+        self.stale: str | None = None  # why the workers cannot run jobs any more
+        self.preload: str | None = None  # unused: nbdist starts no engine here
+        # How %distrain connect named the cluster (profile, cluster id, folder, file): the
+        # messages say how to restart it in the same words.
+        self.connected_with: dict[str, str | None] = {}
+
+    def connect(
+        self,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        profile_dir: str | None = None,
+        url_file: str | None = None,
+        timeout: float = 30.0,
+        workers: int | None = None,
+        before: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Attach to the cluster; its engines become the workers once ``workers`` of them
+        registered (else as many as its launcher started, when its cluster file says, else
+        when no more come). ``before`` runs once the connection file is read and trusted
+        (the notebook leaves its current workers there)."""
+        from nbdist.kernel.connfile import open_client, wait_for_engines
+
+        self.connected_with = {
+            "profile": profile, "cluster_id": cluster_id, "profile_dir": profile_dir,
+            "url_file": url_file,
+        }  # fmt: skip
+        client, where, launched = open_client(
+            profile=profile, cluster_id=cluster_id, profile_dir=profile_dir, url_file=url_file,
+            timeout=timeout, before=before,
+        )  # fmt: skip
+        self._client = client
+        self.source = f"a connected ipyparallel cluster ({where})"
+        try:
+            wait_for_engines(
+                client, n=workers or launched, timeout=timeout, where=where,
+                restart=self.restart_text(), notify=self._notify,
+            )  # fmt: skip
+            self._learn_engines(timeout=timeout)
+        except BaseException as e:  # an interrupt too: leave no half-connected state behind
+            self._client = None
+            self.engines = []
+            client.close()
+            if not isinstance(e, Exception) or isinstance(e, ClusterError):
+                raise
+            raise ClusterError(
+                f"connected to {where}, but its engines did not answer within {timeout:.0f} s "
+                f"({type(e).__name__}: {e}). Are they busy, or is nbdist missing from their "
+                "Python environment (pip install nbdist there)?"
+            ) from None
+
+    def stop(self, note: str | None = "the workers were stopped") -> None:
+        """Disconnect: the engines keep running."""
+        client, self._client = self._client, None
+        self._forget_engines(note)
+        if client is not None:
+            client.close()
+        self.stale = None
+
+    def restart_text(self) -> str:
+        """What to type to restart the engines and connect again, in the words the user
+        connected with (profile, profile folder or connection file)."""
+        with_ = self.connected_with
+        if with_.get("url_file"):
+            return (
+                "Restart the controller and engines that wrote "
+                f"{with_['url_file']}, then %distrain connect --file {with_['url_file']}."
+            )
+        if with_.get("profile_dir"):
+            flag = f"--profile-dir {with_['profile_dir']}"
+        else:
+            flag = f"--profile {with_.get('profile') or 'default'}"
+        if with_.get("cluster_id"):
+            flag += f" --cluster-id {with_['cluster_id']}"
+        return (
+            f"Restart them with ipcluster stop {flag}; ipcluster start {flag}, then "
+            f"%distrain connect {flag}."
+        )
+
+    def not_ours(self, why: str | None = None) -> str:
+        return (
+            f"the workers need a restart{f' ({why})' if why else ''}, and nbdist does not "
+            f"start or stop the engines of {self.source}. {self.restart_text()}"
+        )
+
+    def restart(self, n: int | None = None) -> None:
+        raise ClusterError(self.not_ours())
+
+    def ensure(self, n: int | None, *, note: str | None = None) -> None:
+        """Check that the cluster can run a job on ``n`` engines: nbdist does not resize it."""
+        if self.stale:
+            raise ClusterError(self.stale)
+        if n is not None and n > self.size:
+            from IPython.core.error import UsageError
+
+            raise UsageError(
+                f"%%distrain: -n {n}, but the connected cluster has {self.size} engines. "
+                f"Use -n {self.size} or fewer, or add engines with ipcluster engines."
+            )
+
+    def replace_engines(
+        self,
+        n: int | None = None,
+        *,
+        notice: str | None = None,
+        why: str | None = None,
+        note: str | None = None,
+    ) -> None:
+        """Not ours to restart: say so now, and refuse further runs until reconnected (the
+        caller is reporting the failure that made the restart necessary)."""
+        self.stale = self.not_ours(why)
+        self._notify(f"nbdist: {self.stale}")
+
+    def lose(self, ranks: Sequence[int], hosts: Sequence[str]) -> str:
+        """The controller stopped hearing the engines of ``ranks`` during a job (they died, or
+        ``hosts`` are unreachable): nothing is killed or restarted; the session goes on with
+        the engines that answer ("shrunk"), or has none left ("stale")."""
+        which = f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
+        why = f"{which} stopped answering, on {', '.join(hosts)}"
+        return "shrunk" if self._go_on_without(ranks, why, note=None) else "stale"
+
+    def replace_dead(self, ranks: Sequence[int], gone: str) -> None:
+        """Engines that died between cells: the others go on."""
+        self._go_on_without(ranks, gone, note="the workers changed")
+
+    def _go_on_without(self, ranks: Sequence[int], why: str, *, note: str | None) -> bool:
+        """Go on with the engines that answer, ranked anew; whether any is left."""
+        gone = {self.engines[r].engine_id for r in ranks}
+        alive = sorted(set(self._client.ids) - gone)
+        self._forget_engines(note)
+        if not alive:
+            self.stale = self.not_ours(why)
+            self._notify(f"nbdist: {self.stale}")
+            return False
+        self._learn_engines(alive, timeout=SETUP_TIMEOUT_S)
+        some = f"{len(alive)} engines that answer" if len(alive) > 1 else "1 engine that answers"
+        self._notify(
+            f"nbdist: going on with the {some} ({why}): ranks renumbered 0-{len(alive) - 1}"
+        )
+        return True
+
+    def newcomers(self) -> list[int]:
+        """Engines that registered after nbdist ranked the others (a launcher still starting
+        them, a host that came back)."""
+        if self._client is None:
+            return []
+        known = {e.engine_id for e in self.engines}
+        return sorted(set(self._client.ids) - known)
+
+    def take_newcomers(self) -> None:
+        """Rank every engine the controller has now, newcomers included, with a notice."""
+        new = self.newcomers()
+        if not new:
+            return
+        before = self.size
+        self._forget_engines("the workers were ranked anew")
+        self._learn_engines(timeout=SETUP_TIMEOUT_S)
+        self._notify(
+            f"nbdist: {len(new)} engine{'s' if len(new) > 1 else ''} registered since "
+            f"({before} before, {self.size} now): the workers are ranked anew and their "
+            "process group rebuilt"
+        )
+
+    # -- the engines, as far as the controller tells ---------------------------------------------
+    def kill(self, ranks: Sequence[int]) -> bool:
+        return False  # engines started elsewhere are not nbdist's to kill
+
+    def dead(self, ranks: Sequence[int]) -> list[int]:
+        """No process to look at: an engine is dead when the hub says so."""
+        alive = set(self._client.ids)
+        return [r for r in ranks if self.engines[r].engine_id not in alive]
+
+    def tf_exposure(self) -> str | None:
+        hosts = sorted({e.address for e in self.engines})
+        return f"anyone who can reach the engines' hosts ({', '.join(hosts)}) on {self.source}"
+
+    def describe_lost(self, where: str, count: int, hosts: Sequence[str]) -> str | None:
+        """What engines the controller stopped hearing mid-job are: not a known death."""
+        return (
+            f"{where} stopped answering during the job: the controller lost "
+            f"{'its' if count == 1 else 'their'} heartbeat (died, or {', '.join(hosts)} "
+            "unreachable)"
+        )
+
+    def _peer(self) -> str:
+        """The controller's address as the client reached it: engines find the interface they
+        use towards it (see ``hardware.reachable_address``)."""
+        from urllib.parse import urlparse
+
+        # ipyparallel keeps the connection file's content, the interface made concrete, here.
+        return urlparse(self._client._config["interface"]).hostname or LOOPBACK
+
+    def _settle(self, infos: list[EngineReport]) -> list[EngineReport]:
+        return settle_addresses(infos, local=None)
+
+    def _learned(self, engines: list[EngineInfo]) -> None:
+        ids = [e.engine_id for e in engines]
+        self._client[ids].map_sync(worker.set_address, [e.address for e in engines])

@@ -1,0 +1,231 @@
+"""What crosses between the notebook's kernel and the engines, written down in one place.
+
+The kernel sends each engine a :class:`RankSpec` per cell and gets a :class:`RankReport` back;
+between cells an engine describes itself (:class:`EngineReport`) and its memory
+(:class:`MemoryReport`). While a cell runs, each rank publishes through ipyparallel's
+``publish_data`` under three kinds of key: batches of :class:`MetricPoint` under
+``KEY_PREFIX + seq``, the run's :class:`RunMeta` under ``META_KEY`` and where its cell waits
+(:class:`Waiting`) under ``WHERE_KEY`` (``publish_data`` keeps the latest value per key: right for
+the last two, why the points go under a key per batch). The kernel's own records of a job,
+:class:`Stall`, :class:`Reason` and :class:`RankState`, are here too, so that the words a job's
+states are spelled with live in one module.
+
+Standard library only: both sides import it, and the engine side imports nothing of the
+kernel's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+KEY_PREFIX = "nbdist-"  # + a rank's message number: one batch of points each
+META_KEY = "nbdist~meta"  # the run's latest RunMeta, as a dict
+WHERE_KEY = "nbdist~where"  # where the rank's cell waits, as a Waiting
+STOPPING_KEY = "nbdist~stopping"  # the step a graceful stop ends after, once the rank knows it
+
+INTERRUPT = "KeyboardInterrupt"  # the exception type a rank reports when SIGINT stopped it
+
+
+class _Word(str, enum.Enum):
+    """A member that is its value wherever it is written (``f"{state}"``, ``str(state)``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def pickling_error(value: Any) -> Exception | None:
+    """Why ``value`` cannot cross between the notebook and an engine (ipyparallel pickles what
+    it sends), or None when it can."""
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
+        return e
+    return None
+
+
+class Reason(_Word):
+    """Why a job is being stopped."""
+
+    FAILURE = "failure"  # a rank raised
+    TIMEOUT = "timeout"  # --timeout passed
+    STALLED = "stalled"  # no progress for --stall seconds
+    INTERRUPT = "interrupt"  # the notebook's interrupt (the Stop button)
+    DIED = "died"  # an engine process ended (or its host stopped answering)
+
+
+class RankState(_Word):
+    """A rank's state in the panel's table."""
+
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    DONE = "done"
+
+
+class SessionState(_Word):
+    """What a cell left of the session (see ``nbdist.kernel.cell``)."""
+
+    OK = "ok"  # the cell succeeded
+    KEPT = "kept"  # a rank raised on its own; the group works and the variables stay
+    DROPPED = "dropped"  # every rank dropped its variables and its part of the group
+    REPLACED = "replaced"  # the engines were replaced: their variables went with them
+    STOPPED = "stopped"  # the clean-up was interrupted and the cluster stopped
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reported when its cell raised.
+
+    ``collateral`` is True when the rank failed only because a peer failed first (its collective
+    lost the peer, or nbdist interrupted it): such ranks are listed, not shown in full.
+    """
+
+    rank: int
+    host: str
+    exc_type: str
+    message: str
+    traceback: str
+    line: int | None = None
+    line_text: str = ""
+    time: float = 0.0
+    collateral: bool = False
+
+    @property
+    def headline(self) -> str:
+        return f"{self.exc_type}: {self.message}" if self.message else self.exc_type
+
+    @property
+    def interrupted(self) -> bool:
+        """The rank stopped on SIGINT (nbdist's, or the cell raised KeyboardInterrupt)."""
+        return self.exc_type == INTERRUPT
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """One rank's share of a ``%%distrain`` run.
+
+    ``env`` is the per-rank environment from the backend's ``rendezvous``; it is applied for the
+    duration of the run only. ``options`` are backend options (e.g. ``{"backend": "gloo"}``).
+    """
+
+    run_id: int
+    framework: str
+    source: str
+    filename: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    env: dict[str, str]
+    options: dict[str, Any] = field(default_factory=dict)
+    push: dict[str, Any] = field(default_factory=dict)
+    pull: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()  # the ranks that run the cell (--on); empty: all of world_size
+    nonce: str = ""  # this run's alone (a graceful stop's keys: nbdist.engine.stopping)
+    autolog: bool = True
+    fresh: bool = False  # run in a throwaway namespace instead of the session's
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """What one rank sends back from a run (``worker.run_rank`` never raises: a failure of the
+    cell is ``failure``). The notebook reads these fields, nothing else."""
+
+    rank: int
+    host: str
+    pid: int
+    failure: RankFailure | None = None
+    value: Any = None  # the last expression's value, when it can be pickled
+    value_repr: str | None = None  # its repr; None when the cell has no value
+    names: list[str] = field(default_factory=list)  # the session's variables after the run
+    messages: int = 0  # metrics messages published (the notebook waits for that many)
+    wall: float = 0.0
+    pulled: dict[str, Any] = field(default_factory=dict)  # --pull's values (first rank only)
+    pull_error: str | None = None  # a --pull name that failed (the cell itself ran)
+    steps: int = 0  # training steps autolog saw (backward()s, Keras batches)
+    collectives: int | None = None  # collectives run during the cell; None: not counted
+    libraries: dict[str, str] = field(default_factory=dict)  # training libraries loaded: version
+    stopped_at: int | None = None  # the step boundary a graceful stop ended the cell at
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine says of itself (``worker.engine_info``), once per engine."""
+
+    host: str
+    pid: int
+    gpus: list[str]  # the GPUs it sees, as CUDA_VISIBLE_DEVICES names them
+    cpus: int  # the CPUs it may use
+    address: str | None  # the address other hosts reach it at (None: not known)
+    addresses: list[str] = field(default_factory=list)  # its host's non-loopback IPv4 addresses
+    interfaces: dict[str, str] = field(default_factory=dict)  # address -> interface name
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """An engine's memory between cells (``%distrain status``, ``reset``)."""
+
+    rss: int  # resident memory, bytes
+    gpu: int | None  # the GPU memory its tensors hold (None: CUDA not started)
+    gpus: list[dict[str, Any]]  # its GPUs: name, memory in use by every process
+    variables: int  # variables in the session namespace
+    dropped: list[str] = field(default_factory=list)  # what a reset dropped
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Where a rank's cell is while it runs: its line, and the collective it waits in."""
+
+    line: int
+    line_text: str
+    collective: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An engine's part of a new rendezvous (``worker.prepare``): what the backend needs from
+    it (``info``: a free port, its address), or why the engine cannot take part any more."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+    restart: str | None = None  # the engine must be replaced first, because ...
+
+
+class MetricPoint(NamedTuple):
+    """One logged point, as a rank sends it (the kernel adds the rank)."""
+
+    step: int
+    time: float  # unix time, which samples/s is computed from
+    metrics: dict[str, Any]
+
+
+@dataclass
+class RunMeta:
+    """Facts about a run that the panel shows; the latest one a rank published wins."""
+
+    total_steps: int | None = None  # for the ETA
+    global_batch: int | None = None  # Keras: the batch across every replica ...
+    per_replica_batch: int | None = None  # ... and each replica's share
+    model: str | None = None  # which model autolog sees train (curves continue for the same)
+
+
+@dataclass
+class Stall:
+    """Who stalled, at which step, where each waiting rank waits, and which ranks finished the
+    cell meanwhile (session ranks): what tells ranks that disagree from one stuck rank."""
+
+    ranks: list[int]  # the ranks that stalled
+    steps: dict[int, int | None]  # each rank's last logged step
+    idle: dict[int, float]  # how long each stalled rank has been idle, seconds
+    framework: str
+    release_s: float  # how long a waiting rank takes to notice a lost peer
+    where: dict[int, Waiting | None] = field(default_factory=dict)
+    finished: list[int] = field(default_factory=list)  # ranks that finished the cell meanwhile
+    all_idle: bool = False  # caught with every rank idle before any progress

@@ -1,0 +1,205 @@
+"""Stop keeps your model: every rank stops at the same step boundary, the session goes on.
+
+Each interrupt is a real SIGINT to this process (the Stop button asks the Jupyter server for
+the same), on real engines with a real gloo group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nbdist import JobInterrupted
+from nbdist.kernel.job import GRACEFUL_WAIT_S
+from tests.fsdp import fully_shard_import
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch]
+
+BUILD = """
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(10, 32), nn.ReLU(),
+                                                          nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(256, 10, generator=g)
+Y = X.sum(1, keepdim=True)
+done = 0
+"""
+# A loop that would run for hours; each step sleeps, as a real step computes.
+TRAIN = """
+import time
+for step in range(10**6):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(X), Y)
+    loss.backward()
+    time.sleep(STEP_S)
+    opt.step()
+    done += 1
+"""
+
+
+def _train(step_s: float = 0.02, steps: int = 10**6) -> str:
+    return TRAIN.replace("STEP_S", str(step_s)).replace("10**6", str(steps))
+
+
+KEPT = (
+    "The workers' variables are kept and the process group stays: the next cell continues "
+    "from there (%distrain compare model checks the replicas)."
+)
+
+
+def _interrupt_at(*seconds: float) -> threading.Thread:
+    def send() -> None:
+        start = time.monotonic()
+        for t in seconds:
+            time.sleep(max(0.0, start + t - time.monotonic()))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def _stopped_step(message: str) -> int:
+    head = "stopped (Stop button or Kernel > Interrupt): every rank stopped after step "
+    assert message.startswith(head), message
+    return int(message[len(head) :].split(" ", 1)[0])
+
+
+def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics):
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "", BUILD)
+    pids = [e.pid for e in magics.cluster.engines]
+    sender = _interrupt_at(1.5)
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", _train(step_s=0.5))  # the slowest steps promised
+    took = time.monotonic() - start
+    sender.join()
+    message = str(info.value)
+    steps = _stopped_step(message)
+    assert message.endswith(f"of this cell.\n{KEPT}")
+    assert steps >= 1
+    assert took < 1.5 + 2.0  # within 2 s of the click (not the fallback's wait)
+    assert magics.session.view.stopping_step == steps  # what the Stop button said meanwhile
+    # Every rank took the same number of optimizer steps, the replicas are identical, and the
+    # variables (the cell's new ones too) are all there.
+    assert sh.run_cell_magic("distrain", "", "done") == steps
+    same = sh.run_line_magic("distrain", "compare model")
+    assert same.identical and same.max_abs_diff == 0.0
+    assert magics.session.variables == ["X", "Y", "done", "g", "loss", "model", "opt", "step"]
+    assert [e.pid for e in magics.cluster.engines] == pids
+    # The next cell trains on, from there, on the same group.
+    sh.run_cell_magic("distrain", "--no-plot", _train(steps=5))
+    assert sh.run_cell_magic("distrain", "", "done") == steps + 5
+    assert sh.run_line_magic("distrain", "compare model").identical
+
+
+def test_fsdp2_stops_at_the_same_step(fresh_session, magics):
+    sh = fresh_session
+    sh.run_cell_magic(
+        "distrain",
+        "",
+        fully_shard_import() + "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))\n"
+        "for layer in model:\n    if isinstance(layer, nn.Linear):\n        fully_shard(layer)\n"
+        "fully_shard(model)\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+        "X = torch.randn(64, 10, generator=torch.Generator().manual_seed(rank))\n"
+        "Y = X.sum(1, keepdim=True)\ndone = 0\n",
+    )
+    sender = _interrupt_at(1.5)
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", _train())
+    sender.join()
+    steps = _stopped_step(str(info.value))
+    assert str(info.value).endswith(KEPT)
+    assert sh.run_cell_magic("distrain", "", "done") == steps
+    # Adam's step count is the same on every rank: each took the update, or none did.
+    same_steps = sh.run_cell_magic(
+        "distrain", "", "int(next(iter(opt.state.values()))['step'].item())"
+    )
+    assert same_steps == steps
+    sh.run_cell_magic("distrain", "--no-plot", _train(steps=3))
+    assert sh.run_cell_magic("distrain", "", "done") == steps + 3
+
+
+# Logs once (a step boundary the run counts), then reaches none again.
+NO_MORE_STEPS = "log(loss=1.0)\nimport time\nwhile True:\n    time.sleep(0.01)\n"
+
+
+def test_a_rank_that_reaches_no_step_boundary_is_interrupted_after_the_wait(fresh_session, magics):
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "", "x = 1\n")
+    sender = _interrupt_at(1.5)
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", NO_MORE_STEPS)
+    took = time.monotonic() - start
+    sender.join()
+    assert str(info.value) == (
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1. Asked to stop at "
+        f"a step boundary, ranks 0-1 reached none within {GRACEFUL_WAIT_S:g} s (a loop with no "
+        "optimizer.step() or log() call, a rank blocked in a data loader or a collective), so "
+        "the ranks were interrupted.\n"
+        "The process group was rebuilt and the workers' variables were dropped (x): re-run the "
+        "cells that build them."
+    )
+    assert 1.5 + GRACEFUL_WAIT_S <= took < 1.5 + GRACEFUL_WAIT_S + 4.0
+
+
+def test_a_rank_blocked_in_a_collective_falls_back_to_the_interrupt(fresh_session, magics):
+    """Rank 1 stops stepping (a sleep standing in for a stuck data loader) and rank 0 waits for
+    it in DDP's all-reduce: neither reaches a boundary, the interrupt frees both."""
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "", BUILD)
+    stuck = _train(step_s=0.01).replace(
+        "    time.sleep(0.01)\n", "    time.sleep(3600 if rank == 1 and step == 20 else 0.01)\n"
+    )
+    sender = _interrupt_at(2.0)
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", stuck)
+    took = time.monotonic() - start
+    sender.join()
+    message = str(info.value)
+    assert message.startswith(
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1. Asked to stop at "
+        f"a step boundary, ranks 0-1 reached none within {GRACEFUL_WAIT_S:g} s"
+    ), message
+    assert message.splitlines()[-1].startswith(
+        "The process group was rebuilt and the workers' variables were dropped"
+    )
+    assert took < 2.0 + GRACEFUL_WAIT_S + 5.0  # the wait, then the interrupt's own bound
+    sh.run_cell_magic("distrain", "", BUILD)  # the session goes on, on a new group
+    sh.run_cell_magic("distrain", "--no-plot", _train(steps=3))
+    assert sh.run_cell_magic("distrain", "", "done") == 3
+
+
+def test_a_second_interrupt_while_the_stop_waits_interrupts_at_once(fresh_session, magics):
+    sh = fresh_session
+    sender = _interrupt_at(1.5, 2.0)
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted) as info:
+        sh.run_cell_magic("distrain", "--no-plot", NO_MORE_STEPS)
+    took = time.monotonic() - start
+    sender.join()
+    assert str(info.value).startswith(
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1.\n"
+    )
+    assert took < 1.5 + GRACEFUL_WAIT_S
+
+
+def test_a_cell_with_no_step_boundary_is_interrupted_at_once(fresh_session):
+    sender = _interrupt_at(1.5)
+    start = time.monotonic()
+    with pytest.raises(JobInterrupted, match=r"^interrupted \(Stop button"):
+        fresh_session.run_cell_magic(
+            "distrain", "--no-plot", "import time\nwhile True:\n    time.sleep(0.01)\n"
+        )
+    sender.join()
+    assert time.monotonic() - start < 1.5 + GRACEFUL_WAIT_S

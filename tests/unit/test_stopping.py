@@ -1,0 +1,135 @@
+"""The graceful stop's agreement (nbdist.engine.stopping), rank by rank, on an in-memory board.
+
+Ranks are stepped by hand in the orders a real job can take: in lockstep (a collective in
+every step keeps them at most one boundary apart), with the stop signal reaching them at
+different boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nbdist.engine.stopping import StopAtStep, Stopper
+
+
+class MemoryBoard:
+    def __init__(self) -> None:
+        self.steps: dict[int, int] = {}
+
+    def publish(self, rank: int, step: int) -> None:
+        assert rank not in self.steps, "a rank publishes once"
+        self.steps[rank] = step
+
+    def published(self, ranks: list[int]) -> list[int] | None:
+        if not all(r in self.steps for r in ranks):
+            return None
+        return [self.steps[r] for r in ranks]
+
+
+def _ranks(n: int) -> tuple[MemoryBoard, list[Stopper]]:
+    board = MemoryBoard()
+    return board, [Stopper(board, r, list(range(n))) for r in range(n)]
+
+
+def _step(stopper: Stopper) -> int | None:
+    """One optimizer step on ``stopper``'s rank: the boundary it stopped at, if it did."""
+    try:
+        stopper.boundary("optimizer")
+    except StopAtStep as stop:
+        return stop.step
+    return None
+
+
+def test_no_request_no_cost_and_no_stop():
+    board, (a, b) = _ranks(2)
+    for _ in range(100):
+        assert _step(a) is None and _step(b) is None
+    assert board.steps == {} and a.boundaries == 100
+
+
+@pytest.mark.parametrize("late_by", [0, 1])
+def test_lockstep_ranks_stop_at_the_same_step(late_by):
+    """Rank 1 learns of the stop ``late_by`` boundaries after rank 0; each step, rank 0 goes
+    first (it may be one boundary ahead, never more)."""
+    board, (a, b) = _ranks(2)
+    for _ in range(10):
+        _step(a), _step(b)
+    a.requested = True
+    stopped: dict[str, int] = {}
+    for i in range(20):
+        if i == late_by:
+            b.requested = True
+        for name, s in (("a", a), ("b", b)):
+            if name not in stopped:
+                at = _step(s)
+                if at is not None:
+                    stopped[name] = at
+        if len(stopped) == 2:
+            break
+    assert stopped["a"] == stopped["b"] == max(board.steps.values()) + 1
+    assert board.steps == {0: 11, 1: 11 + late_by}
+
+
+def test_the_boundary_kind_is_the_first_one_the_run_meets():
+    board, (a,) = _ranks(1)
+    a.boundary("optimizer")
+    a.requested = True
+    a.boundary("log")  # not counted: this run's steps are optimizer steps
+    assert board.steps == {} and a.boundaries == 1
+    with pytest.raises(StopAtStep) as info:
+        a.boundary("optimizer")  # publishes 2, and being alone knows the target: 3
+        a.boundary("optimizer")
+    assert (info.value.step, info.value.target) == (3, 3)
+
+
+def test_an_optimizer_pre_hook_stops_before_the_update_no_rank_takes():
+    """Stopped at boundary 3 seen before update 3: two updates completed, as announced."""
+    told: list[int] = []
+    a = Stopper(MemoryBoard(), 0, [0], announce=told.append)
+    a.boundary("optimizer", before=True)
+    a.requested = True
+    a.boundary("optimizer", before=True)  # publishes 2: the target is 3
+    with pytest.raises(StopAtStep) as info:
+        a.boundary("optimizer", before=True)
+    assert (info.value.step, info.value.target) == (2, 3)
+    assert told == [2]
+
+
+def test_a_rank_past_the_target_stops_where_it_is():
+    """No collective in each step: rank 0 ran ahead; it stops at once, at its own step."""
+    board, (a, b) = _ranks(2)
+    for _ in range(10):
+        _step(a)
+    a.requested = b.requested = True
+    assert _step(a) is None  # publishes 11; rank 1 has not yet
+    assert _step(b) is None  # publishes 1: the target is 12, rank 1 goes on
+    assert _step(a) == 12  # exactly at the target
+    assert [_step(b) for _ in range(11)][-1] == 12
+    board2, (c, d) = _ranks(2)
+    for _ in range(10):
+        _step(c)
+    c.requested = True
+    for _ in range(5):
+        assert _step(c) is None  # published 11, waits for rank 1 without blocking
+    d.requested = True
+    assert _step(d) is None  # publishes 1: the target is 12, rank 0 is at 15 already
+    with pytest.raises(StopAtStep) as info:
+        c.boundary("optimizer")
+    assert (info.value.step, info.value.target) == (16, 12)
+
+
+def test_the_graceful_wait_grows_with_the_slowest_ranks_steps():
+    from nbdist.kernel.job import GRACEFUL_WAIT_MAX_S, GRACEFUL_WAIT_S, graceful_wait
+
+    def points(rank, step_s, n=8, t0=100.0):
+        return [{"rank": rank, "step": i, "time": t0 + i * step_s} for i in range(n)]
+
+    fast = points(0, 0.01) + points(1, 0.02)
+    assert graceful_wait(fast, 2) == GRACEFUL_WAIT_S
+    assert graceful_wait([{"rank": 0, "step": 0, "time": 5.0}], 2) == GRACEFUL_WAIT_S  # no step
+    slow = points(0, 0.01) + points(1, 2.0)  # rank 1 takes 2 s a step: three of them
+    assert graceful_wait(slow, 2) == 6.0
+    # The last five intervals only: a slow first step (compilation) does not count.
+    compiled = [{"rank": 0, "step": 0, "time": 0.0}] + points(0, 0.5, t0=60.0)
+    assert graceful_wait(compiled, 1) == GRACEFUL_WAIT_S
+    assert graceful_wait(points(0, 100.0), 1) == GRACEFUL_WAIT_MAX_S
