@@ -7,18 +7,22 @@ of a run whose backend has a board (:func:`board`); its handler only sets a flag
    of these kinds the run meets is the one counted — a rank whose flag is set publishes, once,
    the number of the boundary it is at on the board (torch: the group's TCPStore), and trains
    on; it never waits for the board.
-2. At each later boundary it looks (without waiting) whether every rank of the run has
-   published. Once all have, the target is ``T = max(published) + 1``; the rank raises
+2. At each later boundary it looks (without waiting long) whether every rank of the run has
+   published. Once all have, the target is ``T = max(published) + margin``; the rank raises
    :class:`StopAtStep` when it reaches boundary ``T``. An optimizer's boundary is its
    pre-hook: the stop comes before update ``T``, so the loop body of step ``T - 1`` ran to its
    end (its bookkeeping after ``opt.step()`` included) on every rank, and no rank took update
    ``T``. A Keras batch ends with ``stop_training``, after the batch.
 
-Why it cannot deadlock: no rank ever blocks on the board; every rank keeps stepping until it
-knows ``T``. In a job with a collective in each step the ranks are at most one boundary apart
+Why it cannot deadlock: no rank waits on the board longer than one look; every rank keeps
+stepping until it knows ``T``. In a job with a collective in each step the ranks are at most one boundary apart
 (a rank cannot finish step ``s + 1``'s all-reduce before each peer has finished step ``s``), so
 when the last rank publishes ``s``, every other rank is at ``s + 1 <= T`` or before: each
-reaches ``T``, and none is left in a collective of a step its peers do not take. A rank that
+reaches ``T``, and none is left in a collective of a step its peers do not take. That needs
+each rank to see the last publish by boundary ``T``: a board whose look always sees a finished
+publish (a TCPStore's ``check``) has a margin of 1; one whose look can miss it (TensorFlow's
+key-value get, which gives up after a timeout however near the key is) has a larger margin, so
+that a rank gets that many looks before ``T``. A rank that
 finds itself past ``T`` (a loop without a per-step collective, so no lockstep) stops where it is
 and says so; the notebook names the different steps. A rank that reaches no boundary (blocked in
 a data loader, or in a collective with a rank that does not step) is interrupted by the
@@ -51,7 +55,12 @@ class StopAtStep(BaseException):  # noqa: N818 - raised like KeyboardInterrupt, 
 
 class Board(Protocol):
     """Where the ranks of one run publish the boundary each was at when it learned of the stop.
-    Neither method may block for long: they run inside the training loop."""
+    Neither method may block for long: they run inside the training loop.
+
+    ``margin``: how many boundaries past the last publish the run stops; 1 where
+    :meth:`published` never misses a publish that has returned, more where it can."""
+
+    margin: int
 
     def publish(self, rank: int, step: int) -> None: ...
 
@@ -62,6 +71,8 @@ class Board(Protocol):
 
 class StoreBoard:
     """A board on a torch ``Store`` (the group's TCPStore): keys per run and rank."""
+
+    margin = 1  # check() answers from the store itself: a finished set() is always seen
 
     def __init__(self, store: Any, run: str) -> None:
         self.store = store
@@ -82,10 +93,14 @@ class StoreBoard:
 
 class KeyValueBoard:
     """A board on TensorFlow's coordination service (the key-value store every worker of a
-    ``MultiWorkerMirroredStrategy`` reaches): a key that is not there yet answers within a
-    millisecond with an error, never blocks."""
+    ``MultiWorkerMirroredStrategy`` reaches). TensorFlow has no non-blocking look: a get waits
+    up to ``CHECK_MS`` for a key, and gives up as well when the answer about a key that is there
+    takes longer (a loaded machine: a 1 ms look missed finished publishes, and a CI run's ranks
+    stopped one batch apart, then failed in mismatched collectives). Hence the margin: a rank
+    has two looks, a step apart, before the target."""
 
-    CHECK_MS = 1
+    CHECK_MS = 100
+    margin = 2
 
     def __init__(self, context: Any, run: str) -> None:
         self.context = context  # tensorflow.python.eager.context.context()
@@ -109,6 +124,8 @@ class KeyValueBoard:
 
 class OneRank:
     """The board of a run on one rank: it agrees with itself."""
+
+    margin = 1
 
     def __init__(self) -> None:
         self.steps: dict[int, int] = {}
@@ -159,7 +176,7 @@ class Stopper:
             steps = self.board.published(self.ranks)
             if steps is None:
                 return
-            self.target = max(steps) + 1
+            self.target = max(steps) + self.board.margin
             if self.announce is not None:
                 self.announce(self.target - 1 if before else self.target)
         if here >= self.target:

@@ -13,6 +13,8 @@ from nbdist.engine.stopping import StopAtStep, Stopper
 
 
 class MemoryBoard:
+    margin = 1
+
     def __init__(self) -> None:
         self.steps: dict[int, int] = {}
 
@@ -133,3 +135,65 @@ def test_the_graceful_wait_grows_with_the_slowest_ranks_steps():
     compiled = [{"rank": 0, "step": 0, "time": 0.0}] + points(0, 0.5, t0=60.0)
     assert graceful_wait(compiled, 1) == GRACEFUL_WAIT_S
     assert graceful_wait(points(0, 100.0), 1) == GRACEFUL_WAIT_MAX_S
+
+
+class MissingBoard(MemoryBoard):
+    """A board whose look misses a finished publish ``misses`` times for each rank that looks
+    (TensorFlow's get timing out on a busy machine), with the board's ``margin``."""
+
+    def __init__(self, margin: int, misses: int) -> None:
+        super().__init__()
+        self.margin = margin
+        self.misses = misses
+        self.missed: dict[int, int] = {}
+
+    def look(self, rank: int, ranks: list[int]) -> list[int] | None:
+        steps = self.published(ranks)
+        if steps is not None and self.missed.get(rank, 0) < self.misses:
+            self.missed[rank] = self.missed.get(rank, 0) + 1
+            return None
+        return steps
+
+
+def _lockstep_stop(board: MissingBoard) -> dict[int, int]:
+    """Two ranks in lockstep, rank 1 learning of the stop one boundary after rank 0: the
+    boundary each rank stopped at."""
+
+    class Looking:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            self.margin = board.margin
+
+        def publish(self, rank: int, step: int) -> None:
+            board.publish(rank, step)
+
+        def published(self, ranks: list[int]) -> list[int] | None:
+            return board.look(self.rank, ranks)
+
+    a, b = (Stopper(Looking(r), r, [0, 1]) for r in (0, 1))
+    for _ in range(10):
+        _step(a), _step(b)
+    a.requested = True
+    stopped: dict[int, int] = {}
+    for i in range(20):
+        b.requested = b.requested or i == 1
+        for rank, s in ((0, a), (1, b)):
+            if rank not in stopped and (at := _step(s)) is not None:
+                stopped[rank] = at
+        if len(stopped) == 2:
+            break
+    return stopped
+
+
+def test_a_look_that_misses_a_publish_needs_a_margin():
+    """TensorFlow's look can miss a publish that has finished: with a margin of 1 the ranks
+    then stop one step apart (and would wait in mismatched collectives), with 2 they agree."""
+    assert _lockstep_stop(MissingBoard(margin=1, misses=0)) == {0: 13, 1: 13}
+    assert _lockstep_stop(MissingBoard(margin=1, misses=1)) == {0: 14, 1: 13}
+    assert _lockstep_stop(MissingBoard(margin=2, misses=1)) == {0: 14, 1: 14}
+
+
+def test_the_boards_margins():
+    from nbdist.engine.stopping import KeyValueBoard, OneRank, StoreBoard
+
+    assert (StoreBoard.margin, OneRank.margin, KeyValueBoard.margin) == (1, 1, 2)
