@@ -143,6 +143,7 @@ class Job:
         self._release_s = 0.0
         self._collective_s = 0.0
         self._graceful = False  # the backend can stop its ranks at a step boundary
+        self._survives_interrupt = True  # the backend's SURVIVES_INTERRUPT, read in run()
         self._stop_asked: float | None = None  # when a graceful stop was asked for
         self._no_boundary: list[int] = []
         self._stop_step: int | None = None  # the step the ranks agreed to stop after
@@ -165,6 +166,7 @@ class Job:
         self._collective_s = backend.collective_timeout(self.specs[0].options)
         self._frees_peers = backend.RELEASE_FREES_PEERS
         self._graceful = backend.GRACEFUL_STOP
+        self._survives_interrupt = backend.SURVIVES_INTERRUPT
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
@@ -333,7 +335,7 @@ class Job:
                     if not watch.interrupted and waited >= peer_grace:
                         watch.interrupted = True
                         self.cluster.interrupt([self.ranks[p] for p in pending])
-                    elif watch.interrupted and waited >= peer_grace + kill_grace:
+                    elif watch.interrupted and waited >= peer_grace + self._kill_grace(kill_grace):
                         alive = [p for p in pending if p not in watch.dead]
                         if self.cluster.kill([self.ranks[p] for p in alive]):
                             watch.killed.extend(alive)
@@ -360,16 +362,30 @@ class Job:
                     watch.since = time.monotonic() - peer_grace
                     watch.interrupted = False
 
+    def _kill_grace(self, kill_grace: float) -> float:
+        """How long ranks still running after SIGINT get before SIGKILL: ``kill_grace`` (which
+        waits for the backend's collective to free a blocked peer), or ``KILL_GRACE_S`` after
+        an interrupt where the engines are replaced anyway (TensorFlow cannot go on after one):
+        waiting for TensorFlow's collective timeout then only ended the cell 15 s later with
+        that rank's DeadlineExceededError instead of the interrupt."""
+        if self.watch.reason == Reason.INTERRUPT and not self._survives_interrupt:
+            return KILL_GRACE_S
+        return kill_grace
+
     def _may_stop_gracefully(self) -> bool:
         """Whether the interrupt can be a graceful stop: the backend has a board, nothing went
-        wrong yet, and every rank is inside the cell (it has sent metrics, so its signal
-        handler is in place and it has a step boundary to reach)."""
+        wrong yet, no rank is done, and the cell has stepped (a rank has sent metrics: it has a
+        step boundary to reach). Not every rank need have: a peer's first points can be a
+        flush behind (a CI run, under load, interrupted TensorFlow's fit for that), and in a job
+        that steps in lockstep it is inside the cell too. A rank that is not yet (its stop
+        request is then ignored) reaches no boundary, and the graceful wait's fallback
+        interrupts it."""
         watch = self.watch
         return (
             self._graceful
             and watch.reason is None
             and not any(ar.ready() for ar in self.ars)
-            and all(p in watch.progress for p in range(len(self.ars)))
+            and any(p in watch.progress for p in range(len(self.ars)))
         )
 
     def _stall(
