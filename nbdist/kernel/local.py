@@ -310,34 +310,46 @@ class LocalCluster(RankedEngines):
 
     def exit_status(self, rank: int) -> int | None:
         """How the engine of ``rank`` ended: its exit code (negative: the signal that killed
-        it), read from the process ipyparallel's launcher waits for; None while it runs."""
+        it), as ipyparallel's launcher reaped it; None while it runs.
+
+        ipyparallel's watcher thread and this method may both wait for the process; the one
+        that reaps it first has the code (the other's wait answers None), and the watcher hands
+        it to ``stop_data`` a moment later: so a dead engine's code is looked for until it
+        appears, for up to ``ZOMBIE_WAIT_S`` (also while a killed engine is a zombie whose other
+        threads still exit).
+        """
         if self._cluster is None or rank >= self.size:
             return None
+        pid = self.engines[rank].pid
+        deadline = time.monotonic() + ZOMBIE_WAIT_S
+        while True:
+            code, running = self._exit_code(pid)
+            if code is not None or running or time.monotonic() > deadline:
+                return code
+            time.sleep(0.05)
+
+    def _exit_code(self, pid: int) -> tuple[int | None, bool]:
+        """(the exit code of engine ``pid`` if known, whether it still runs)."""
         import psutil
 
-        pid = self.engines[rank].pid
         for engine_set in self._cluster.engines.values():
             # Once ipyparallel's own watcher has seen the engine exit, it keeps the exit code
             # here and drops the launcher.
             for data in (engine_set.stop_data or {}).get("engines", {}).values():
                 if data.get("pid") == pid and data.get("exit_code") is not None:
-                    return data["exit_code"]
+                    return data["exit_code"], False
             for launcher in list(engine_set.launchers.values()):
                 if launcher.pid == pid and launcher.process is not None:
-                    process = launcher.process
                     try:
-                        return process.wait(0)  # psutil keeps the exit code it reaped
+                        return launcher.process.wait(0), False  # None: the watcher reaped it
                     except psutil.TimeoutExpired:
                         pass
-                    try:
-                        # A killed engine's main thread shows as a zombie while its other
-                        # threads still exit; it cannot be reaped until they have.
-                        if process.status() == psutil.STATUS_ZOMBIE:
-                            return process.wait(ZOMBIE_WAIT_S)
-                    except (psutil.TimeoutExpired, psutil.NoSuchProcess):
-                        pass
-                    return None
-        return None
+        try:
+            # A killed engine's main thread shows as a zombie while its other threads still
+            # exit; it cannot be reaped until they have.
+            return None, psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return None, False
 
     def network_now(self) -> str | None:
         """The network the running workers have: "private", "isolated" or "host" (None: no
