@@ -15,18 +15,19 @@ of a run whose backend has a board (:func:`board`); its handler only sets a flag
    ``T``. A Keras batch ends with ``stop_training``, after the batch.
 
 Why it cannot deadlock: no rank waits on the board longer than one look; every rank keeps
-stepping until it knows ``T``. In a job with a collective in each step the ranks are at most one boundary apart
-(a rank cannot finish step ``s + 1``'s all-reduce before each peer has finished step ``s``), so
-when the last rank publishes ``s``, every other rank is at ``s + 1 <= T`` or before: each
-reaches ``T``, and none is left in a collective of a step its peers do not take. That needs
-each rank to see the last publish by boundary ``T``: a board whose look always sees a finished
-publish (a TCPStore's ``check``) has a margin of 1; one whose look can miss it (TensorFlow's
-key-value get, which gives up after a timeout however near the key is) has a larger margin, so
-that a rank gets that many looks before ``T``. A rank that
-finds itself past ``T`` (a loop without a per-step collective, so no lockstep) stops where it is
-and says so; the notebook names the different steps. A rank that reaches no boundary (blocked in
-a data loader, or in a collective with a rank that does not step) is interrupted by the
-notebook after its graceful wait, the old way.
+stepping until it knows ``T``. In a job with a collective in each step the ranks are at most
+one boundary apart (a rank cannot finish step ``s + 1``'s all-reduce before each peer has
+finished step ``s``), so when the last rank publishes ``s``, every other rank is at
+``s + 1 <= T`` or before: each reaches ``T``, and none is left in a collective of a step its
+peers do not take. That needs each rank to see the last publish by boundary ``T``: a board
+whose look always sees a finished publish (a TCPStore's ``check``) has a margin of 1; one
+whose look can miss it (TensorFlow's key-value get, which gives up after a timeout however
+near the key is) has a larger margin, so that a rank gets that many looks before ``T``.
+
+A rank that finds itself past ``T`` (a loop without a per-step collective, so no lockstep)
+stops where it is and says so; the notebook names the different steps. A rank that reaches no
+boundary (blocked in a data loader, or in a collective with a rank that does not step) is
+interrupted by the notebook after its graceful wait, the old way.
 """
 
 from __future__ import annotations
