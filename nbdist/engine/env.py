@@ -82,9 +82,9 @@ def interrupts_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        redeliver.ended = True  # first: no delivery after this line, whatever comes next
+        on_its_way = redeliver.end()  # first: no delivery after this line, whatever comes next
         sys.unraisablehook = previous
-        if redeliver.waiting():
+        if on_its_way:
             raise KeyboardInterrupt
 
 
@@ -113,7 +113,12 @@ class _Redelivery:
             if not self.ended:
                 _thread.interrupt_main()  # raised at the next line the main thread runs
 
-    def waiting(self) -> bool:
-        """Whether a delivery was still on its way when the block ended (``ended`` set)."""
+    def end(self) -> bool:
+        """The block ends: no delivery after this. Returns whether one was still on its way
+        (the block then raises it). One lock for both: a delivery that took the lock first has
+        interrupted the main thread already; setting ``ended`` outside it let a delivery count
+        itself done, then see ``ended`` and drop the interrupt, while the block saw none on its
+        way (the interrupt was lost, once, on a loaded machine)."""
         with self._lock:
+            self.ended = True
             return self._waiting > 0
