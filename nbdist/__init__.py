@@ -21,6 +21,7 @@ from nbdist.errors import (
     WorkerDied,
     WorkerError,
 )
+from nbdist.kernel.breakdown import ProfileReport, RankProfile
 from nbdist.kernel.checks import CheckContext, Finding, check_source
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.result import DistrainResult, RankResult
@@ -39,7 +40,9 @@ __all__ = [
     "JobStalled",
     "JobTimeout",
     "NbdistWarning",
+    "ProfileReport",
     "RankFailure",
+    "RankProfile",
     "RankResult",
     "RanksDisagree",
     "RunOptions",

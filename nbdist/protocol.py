@@ -132,6 +132,7 @@ class RankSpec:
     nonce: str = ""  # this run's alone (a graceful stop's keys: nbdist.engine.stopping)
     autolog: bool = True
     fresh: bool = False  # run in a throwaway namespace instead of the session's
+    profile: int = 0  # optimizer steps to profile (--profile; nbdist.engine.profiling)
 
 
 @dataclass(kw_only=True)
@@ -154,6 +155,7 @@ class RankReport:
     collectives: int | None = None  # collectives run during the cell; None: not counted
     libraries: dict[str, str] = field(default_factory=dict)  # training libraries loaded: version
     stopped_at: int | None = None  # the step boundary a graceful stop ended the cell at
+    profile: dict[str, Any] | None = None  # --profile's window (nbdist.engine.profiling)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import backends, display, stopping
+from nbdist.engine import backends, display, profiling, stopping
 from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
@@ -207,6 +207,8 @@ def run_rank(spec: RankSpec) -> RankReport:
                 namespace.clear()
             sys.stdout.flush()
             sys.stderr.flush()
+    if spec.profile:
+        report.profile = profiling.take()
     report.names = [] if spec.fresh else sorted(user_variables(namespace))
     report.messages = recorder.messages
     report.steps, report.collectives = recorder.steps, recorder.collectives

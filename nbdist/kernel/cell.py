@@ -40,11 +40,13 @@ from IPython.core.error import UsageError
 
 from nbdist.engine import backends, worker
 from nbdist.engine.hardware import visible_gpus
+from nbdist.engine.profiling import SKIP_STEPS
 from nbdist.errors import DistrainError, JobInterrupted, WorkerError
-from nbdist.kernel import failures, prepare
+from nbdist.kernel import breakdown, failures, prepare
 from nbdist.kernel.checks import calls
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
+from nbdist.kernel.figure import png_data
 from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.libraries import independent_copies
 from nbdist.kernel.local import default_workers
@@ -179,6 +181,7 @@ class Cell:
                 nonce=nonce,
                 autolog=opts.autolog,
                 fresh=opts.fresh,
+                profile=opts.profile or 0,
             )
             for e in cluster.engines[:world]
         ]
@@ -301,6 +304,7 @@ class Cell:
             session.curve = [*session.curve, segment] if live_view.continued else [segment]
             session.curve_key = live_view.key
         show_displays(outcome.ars, outcome.ranks, session.publish)
+        profile = self._profile(outcome) if opts.profile else None
         cluster = self.cluster
         error = failures.error_for(outcome, opts, cluster)
         if isinstance(error, WorkerError):
@@ -336,13 +340,33 @@ class Cell:
             error=failures.graceful_stop(stopped_at) if stopped_at else None,
             state=state,
             lost=lost,
-            result=_result(outcome, plan.framework, warnings),
+            result=_result(outcome, plan.framework, warnings, profile),
             names=reports[0].names,
             pulled=reports[0].pulled,
             pull_error=pull_errors[0] if pull_errors else None,
             warnings=warnings,
             plan=plan,
         )
+
+    def _profile(self, outcome: Outcome) -> Any:
+        """``--profile``: the breakdown of the ranks' windows, shown under the figure."""
+        session = self.session
+        reports = outcome.reports
+        if not reports:
+            return None
+        windows = {outcome.ranks[p]: reports[p].profile for p in sorted(reports)}
+        run_id = self.job.specs[0].run_id if self.job is not None else 0
+        report, text = breakdown.from_reports(windows, run_id, skipped=SKIP_STEPS)
+        if report is not None and self.opts.plot:
+            session.display(
+                {
+                    "image/png": png_data(breakdown.timeline_png(report)),
+                    "text/plain": "<nbdist profile: time per step, per rank>",
+                },
+                raw=True,
+            )
+        print(text, file=session.out, flush=True)
+        return report
 
     def interrupted(self, job: Job, framework: str) -> CellOutcome:
         session, cluster = self.session, self.cluster
@@ -401,11 +425,14 @@ def drop(
     return sorted(names)
 
 
-def _result(outcome: Outcome, framework: str, warnings: tuple[str, ...] = ()) -> DistrainResult:
+def _result(
+    outcome: Outcome, framework: str, warnings: tuple[str, ...] = (), profile: Any = None
+) -> DistrainResult:
     reports = outcome.reports
     return DistrainResult(
         framework=framework,
         warnings=warnings,
+        profile=profile,
         world_size=len(outcome.ranks),
         wall=outcome.wall,
         ranks=tuple(

@@ -27,7 +27,7 @@ Cell magic::
 
     %%distrain [-n N] [--framework torch|tf] [--backend gloo|nccl] [--strategy mirrored]
                [--push A,B] [--pull X,Y] [-o NAME] [--ranks R,S] [--timeout S] [--no-check]
-               [--scan 1,2,...]
+               [--scan 1,2,...] [--profile [STEPS]]
 
 Line magic::
 
@@ -150,6 +150,16 @@ speedup and efficiency (``scan.speedup``, ``scan.efficiency``, ``scan.runs``)::
     for step in range(100):
         opt.zero_grad()
         model(torch.randn(512, 256)).pow(2).mean().backward()   # autolog counts the samples
+        opt.step()
+
+Where each rank's step time goes (torch): 5 optimizer steps profiled after 2 warm-up steps,
+split into computation, communication and waiting for peers, with a timeline, the top
+operators and a Chrome trace per rank (``res.profile``)::
+
+    %%distrain --profile -o res
+    for step in range(50):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
         opt.step()
 
 Flags

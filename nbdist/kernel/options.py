@@ -43,6 +43,10 @@ class RunOptions:
     fresh: bool = False
     on: tuple[int, ...] | None = None
     expose_tf: bool = False
+    profile: int | None = None  # --profile: optimizer steps to profile on every rank
+
+
+DEFAULT_PROFILE_STEPS = 5
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,6 +109,18 @@ def _counts(text: str) -> tuple[int, ...]:
             f"expected two or more different worker counts like 1,2 or 1,2,4, got {text!r}"
         )
     return counts
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of steps, e.g. --profile 5, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"profiles at least 1 step, got {value}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -236,6 +252,17 @@ def run_parser() -> argparse.ArgumentParser:
         "throughput, speedup and efficiency against the ideal line",
     )
     p.add_argument(
+        "--profile",
+        type=_steps,
+        nargs="?",
+        const=DEFAULT_PROFILE_STEPS,
+        metavar="STEPS",
+        help="torch: profile STEPS optimizer steps on every rank (default "
+        f"{DEFAULT_PROFILE_STEPS}, after 2 warm-up steps) and show where each rank's step time "
+        "goes: computation, communication, waiting for peers; a timeline, the top operators "
+        "and a Chrome trace per rank",
+    )
+    p.add_argument(
         "--fresh",
         action="store_true",
         help="run this cell in a throwaway namespace: it neither sees nor leaves variables on "
@@ -304,4 +331,5 @@ def parse_run_options(line: str) -> RunOptions:
         fresh=ns.fresh or ns.scan is not None,
         on=tuple(sorted(set(ns.on))) if ns.on is not None else None,
         expose_tf=ns.expose_tf,
+        profile=ns.profile,
     )

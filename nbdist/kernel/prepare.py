@@ -51,6 +51,12 @@ def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
 
 def check_flags(opts: RunOptions, framework: str) -> None:
     """Flags that are another framework's own: a UsageError before anything starts."""
+    for flag, why in backends.load(framework).NOT_HERE.items():
+        if getattr(opts, flag) is not None:
+            raise UsageError(
+                f"%%distrain: --{flag} is not available for {backends.load(framework).TITLE} "
+                f"cells: {why}."
+            )
     for backend in backends.all_backends():
         if backend.NAME == framework:
             continue

@@ -40,6 +40,8 @@ class DistrainResult:
         makes a table of it.
     warnings : tuple of str
         What nbdist warned about after the run (ranks that trained independent copies).
+    profile : ProfileReport or None
+        ``--profile``'s breakdown of the step time per rank (``nbdist.kernel.breakdown``).
     """
 
     framework: str
@@ -48,6 +50,7 @@ class DistrainResult:
     ranks: tuple[RankResult, ...]
     history: tuple[dict[str, Any], ...] = ()
     warnings: tuple[str, ...] = ()
+    profile: Any = None
 
     @property
     def values(self) -> list[Any]:

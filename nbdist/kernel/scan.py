@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.kernel.breakdown import PARTS as _PARTS
 from nbdist.kernel.figure import png_data
 from nbdist.kernel.result import DistrainResult
 
@@ -57,12 +58,28 @@ class ScanResult:
         """Throughput with perfect scaling from the first run."""
         return [self.throughput[0] * n / self.workers[0] for n in self.workers]
 
+    @property
+    def profiles(self) -> list[Any]:
+        """Each run's ``--profile`` breakdown (None where it has none)."""
+        return [r.profile for r in self.runs]
+
     def table(self) -> str:
-        rows = [f"{'workers':>7}  {self.unit:>12}  {'speedup':>7}  {'efficiency':>10}"]
-        for n, t, s, e in zip(
-            self.workers, self.throughput, self.speedup, self.efficiency, strict=True
+        profiled = bool(self.runs) and all(p is not None for p in self.profiles)
+        head = f"{'workers':>7}  {self.unit:>12}  {'speedup':>7}  {'efficiency':>10}"
+        if profiled:  # where the step time goes, the mean over the run's ranks
+            head += f"  {'compute':>7}  {'comm':>5}  {'waiting':>7}  {'other':>5}"
+        rows = [head]
+        for i, (n, t, s, e) in enumerate(
+            zip(self.workers, self.throughput, self.speedup, self.efficiency, strict=True)
         ):
-            rows.append(f"{n:>7}  {t:>12,.1f}  {s:>6.2f}x  {e:>10.0%}")
+            row = f"{n:>7}  {t:>12,.1f}  {s:>6.2f}x  {e:>10.0%}"
+            if profiled:
+                ranks = self.profiles[i].ranks
+                shares = [sum(r.share(p) for r in ranks) / len(ranks) for p in _PARTS]
+                row += "  " + "  ".join(
+                    f"{v:>{w}.0%}" for v, w in zip(shares, (7, 5, 7, 5), strict=True)
+                )
+            rows.append(row)
         return "\n".join(rows)
 
     def __repr__(self) -> str:

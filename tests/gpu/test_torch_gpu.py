@@ -290,3 +290,23 @@ def test_a_rank_that_raises_is_reported_and_the_next_gpu_cell_works(on_gpus, gpu
     after = "t = torch.ones(1, device=device)\ndist.all_reduce(t)\n(dist.get_backend(), t.item())\n"
     on_gpus.run_cell_magic("distrain", f"-o res {CELL_LIMIT}", after)
     assert on_gpus.user_ns["res"].values == [("nccl", float(n))] * n
+
+
+def test_profile_on_cuda_measures_kernels_and_nccl(on_gpus, gpus, tmp_path, monkeypatch):
+    """--profile on GPUs: computation is the CUDA kernels, communication NCCL's kernels; the
+    parts add up to the step, and each rank's trace holds its kernels."""
+    from nbdist.kernel.breakdown import PARTS, trace_events
+
+    monkeypatch.chdir(tmp_path)
+    on_gpus.run_cell_magic("distrain", f"--profile 3 --no-plot -o res {CELL_LIMIT}", train_cell(20))
+    profile = on_gpus.user_ns["res"].profile
+    assert profile is not None and profile.device == "cuda"
+    assert [r.rank for r in profile.ranks] == list(range(len(gpus)))
+    for r in profile.ranks:
+        assert r.steps == 3 and r.compute_ms > 0
+        parts = sum(getattr(r, f"{p}_ms") for p in PARTS)
+        assert abs(parts - r.step_ms) <= 0.05 * r.step_ms
+        names = {e.get("name", "") for e in trace_events(r.trace)}
+        if len(gpus) > 1:
+            assert any("nccl" in n.lower() for n in names), sorted(names)[:20]
+            assert r.communication_ms + r.overlapped_ms + r.waiting_ms > 0

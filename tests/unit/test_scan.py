@@ -69,3 +69,30 @@ def test_without_samples_speedup_is_a_ratio_of_wall_times():
                     out=lambda s: None)  # fmt: skip
     assert scan.unit == "runs/s"
     assert scan.speedup == [1.0, 1.25]
+
+
+def test_a_profiled_scan_shows_where_the_step_goes():
+    from nbdist.kernel.breakdown import ProfileReport, RankProfile
+    from nbdist.kernel.result import DistrainResult
+
+    def run(*ranks):
+        profile = ProfileReport(
+            ranks=tuple(
+                RankProfile(rank=i, steps=3, step_ms=10.0, compute_ms=c, communication_ms=m,
+                            overlapped_ms=0.0, waiting_ms=w, other_ms=10.0 - c - m - w)
+                for i, (c, m, w) in enumerate(ranks)
+            ),
+            device="cpu", folder=None, skipped=2,
+        )  # fmt: skip
+        return DistrainResult(framework="torch", world_size=len(ranks), wall=1.0, ranks=(),
+                              profile=profile)  # fmt: skip
+
+    scan = ScanResult(
+        workers=(1, 2), runs=(run((9, 0, 0)), run((6, 2, 1), (5, 2, 2))),
+        throughput=(100.0, 150.0), unit="samples/s",
+    )  # fmt: skip
+    assert scan.table() == (
+        "workers     samples/s  speedup  efficiency  compute   comm  waiting  other\n"
+        "      1         100.0    1.00x        100%      90%     0%       0%    10%\n"
+        "      2         150.0    1.50x         75%      55%    20%      15%    10%"
+    )

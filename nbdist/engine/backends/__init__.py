@@ -47,7 +47,8 @@ A backend module provides:
 
 and these constants: ``NAME`` (as ``--framework`` spells it), ``TITLE`` (as messages do),
 ``MODULE`` (what must be installed), ``CELL_NAMES`` (the names a cell of it uses),
-``FLAGS`` (the %%distrain flags that are its own), ``CHOSEN_BY`` (those of them that choose it
+``FLAGS`` (the %%distrain flags that are its own), ``NOT_HERE`` (other frameworks' flags it has
+no equivalent of, each with why and what to do instead), ``CHOSEN_BY`` (those of them that choose it
 when ``--framework`` is not given), ``PRELOAD_AT_START`` (whether engines may
 import it as they start), ``SAME_STEPS`` (the fix for ranks that ran different numbers of
 steps), ``KEEPS_RENDEZVOUS_AFTER_FAILURE``, ``RELEASE_FREES_PEERS``, ``SURVIVES_INTERRUPT``,

@@ -41,6 +41,15 @@ MODULE = "tensorflow"  # what must be installed for it
 CELL_NAMES = frozenset({"tensorflow", "tf", "keras", "strategy"})
 FLAGS = ("strategy",)  # the %%distrain flags that are this framework's own
 CHOSEN_BY = ("strategy",)  # ... and those that choose it when --framework is not given
+# Other frameworks' flags that TensorFlow cells are asked for, and why they are not here.
+NOT_HERE = {
+    "profile": (
+        "nbdist's step breakdown reads torch.profiler's events; TensorFlow's profiler "
+        "(tf.profiler.experimental.start(logdir) ... stop(), then TensorBoard's Profile tab) "
+        "records each worker's trace, CollectiveReduceV2 ops included, but nbdist does not read "
+        "it yet. Call it in the cell, or drop --profile"
+    ),
+}
 # TensorFlow starts its runtime at import (and loads CUDA libraries before the GPU pinning):
 # imported by the warm-up call, after the engine registered.
 PRELOAD_AT_START = False

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import hardware, stopping
+from nbdist.engine import hardware, profiling, stopping
 from nbdist.engine.env import patch_environment
 from nbdist.engine.libraries import libraries_join, reset_accelerate
 from nbdist.engine.state import EngineState
@@ -43,8 +43,9 @@ MODULE = "torch"  # what must be installed for it
 # The names a cell of this framework uses (imports, bare names): how nbdist tells which one a
 # cell is for.
 CELL_NAMES = frozenset({"torch", "nn", "dist", "DistributedDataParallel", "DDP"})
-FLAGS = ("backend",)  # the %%distrain flags that are this framework's own
+FLAGS = ("backend", "profile")  # the %%distrain flags that are this framework's own
 CHOSEN_BY: tuple[str, ...] = ()  # ... and those that choose it when --framework is not given
+NOT_HERE: dict[str, str] = {}  # other frameworks' flags it has no equivalent of, and why
 PRELOAD_AT_START = True  # importing torch starts no thread and touches no device
 # What ranks that ran different numbers of steps should do instead.
 SAME_STEPS = (
@@ -53,9 +54,11 @@ SAME_STEPS = (
 )
 # On hosts whose names do not resolve, c10d logs a warning for each peer it connects to (it
 # looks the peer's name up for its own log): left out of the cell, kept in the result's stderr.
+# --profile: Kineto prints a line as the profiler starts and as it stops (to stderr).
 OUTPUT_NOISE = (
     r"\[W\d{4} [\d:.]+(?: +\d+)? socket\.cpp:\d+\] \[c10d\] The hostname of the client "
     r"socket cannot be retrieved"
+    r"|USDT:[\d-]+ [\d:]+ \d+:\d+ \w+\.cpp:\d+\] profiler_(?:start|stop)$"
 )
 # Stop ends a run at an optimizer step every rank reaches (stop_board: the TCPStore).
 GRACEFUL_STOP = True
@@ -304,6 +307,7 @@ def session(spec: RankSpec, state: EngineState) -> Iterator[dict[str, Any]]:
             _count_collectives(state.recorder),
             _no_process_launchers(spec.world_size),
             _stop_at_optimizer_steps(),
+            profiling.profiled(spec.profile, device.type),
         ):
             yield {"torch": torch, "nn": torch.nn, "dist": dist, "device": device}
 
