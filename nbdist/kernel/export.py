@@ -86,6 +86,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torchrun runs the ranks unbuffered (PYTHONUNBUFFERED=1): print() then writes each of its
+# pieces on its own, and two ranks' lines ran into each other ("freshfresh  44 ..."). One
+# write per line:
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+sys.stderr.reconfigure(line_buffering=True, write_through=False)
+
 # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
 # init_process_group("...") with no init_method reads them (the env:// rendezvous).
 local_rank = int(os.environ["LOCAL_RANK"])
