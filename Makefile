@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/session_cell.py
 	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
+	$(PY) benchmarks/profile_overhead.py
 
 # The kernel's side at 8..1024 ranks (simulated ranks, plus 2 real engines for the transport):
 # build/bench/scale.{json,md}, about 2 minutes.

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = io.StringIO()
     groups: dict[str, list[float]] = {"plain": [], "profiled": [], "closing": [], "after": []}
     window_end = SKIP + PROFILED  # index of the step whose opt.step() closes the window
+    OUT.mkdir(parents=True, exist_ok=True)
     os.chdir(OUT.parent)  # the traces land in build/nbdist-profile/
     try:
         with contextlib.redirect_stdout(sink):
