@@ -71,16 +71,24 @@ def _names(flag: str):
     return parse
 
 
-def _positive_int(text: str) -> int:
+def _at_least_one(text: str, *, expected: str, too_few: str) -> int:
+    """``text`` as a whole number of at least 1, else the error: ``expected`` (and what was
+    given), or ``too_few`` (``{value}``: the number given)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a whole number of workers, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}; try -n 2")
+        raise argparse.ArgumentTypeError(too_few.format(value=value))
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _at_least_one(
+        text,
+        expected="expected a whole number of workers",
+        too_few="needs at least 1 worker, got {value}; try -n 2",
+    )
 
 
 def _shown_ranks(text: str) -> tuple[int, ...] | str:
@@ -112,15 +120,11 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of steps, e.g. --profile 5, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"profiles at least 1 step, got {value}")
-    return value
+    return _at_least_one(
+        text,
+        expected="expected a number of steps, e.g. --profile 5",
+        too_few="profiles at least 1 step, got {value}",
+    )
 
 
 def _seconds(text: str) -> float:
