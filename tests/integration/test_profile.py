@@ -128,3 +128,36 @@ def test_a_scan_profiles_each_worker_count(shell, capsys, monkeypatch, tmp_path)
     table = scan.table()
     assert table.splitlines()[0].endswith("compute   comm  waiting  other")
     assert table in capsys.readouterr().out
+
+
+FSDP2_CELL = """
+from torch.distributed.device_mesh import init_device_mesh
+torch.manual_seed(0)
+sharded = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+mesh = init_device_mesh("cpu", (world_size,))
+for layer in (sharded[0], sharded[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(sharded, mesh=mesh)
+opt = torch.optim.Adam(sharded.parameters(), lr=1e-3)
+X = torch.randn(128, 64)
+for step in range(8):
+    opt.zero_grad()
+    nn.functional.mse_loss(sharded(X), X[:, :8]).backward()
+    opt.step()
+"""
+
+
+def test_fsdp2_collectives_are_communication(fresh_session, monkeypatch, tmp_path):
+    """FSDP2 all-gathers its shards and reduce-scatters the gradients: on gloo both show as
+    collectives of their own, and count as communication or waiting."""
+    from tests.fsdp import fully_shard_import
+
+    monkeypatch.chdir(tmp_path)
+    sh = fresh_session
+    sh.run_cell_magic("distrain", "--profile 3 --no-plot -o res", fully_shard_import() + FSDP2_CELL)
+    profile = sh.user_ns["res"].profile
+    for r in profile.ranks:
+        assert r.steps == 3
+        assert r.communication_ms + r.overlapped_ms + r.waiting_ms > 0
+        names = {e.get("name") for e in trace_events(r.trace)}
+        assert "gloo:all_gather" in names, sorted(n for n in names if n and "gloo" in n)
