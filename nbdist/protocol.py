@@ -28,14 +28,8 @@ STOPPING_KEY = "nbdist~stopping"  # the step a graceful stop ends after, once th
 INTERRUPT = "KeyboardInterrupt"  # the exception type a rank reports when SIGINT stopped it
 
 
-class _Word(str, enum.Enum):
+class _Word(enum.StrEnum):
     """A member that is its value wherever it is written (``f"{state}"``, ``str(state)``)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 def pickling_error(value: Any) -> Exception | None:
