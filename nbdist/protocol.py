@@ -71,6 +71,7 @@ class SessionState(_Word):
     KEPT = "kept"  # a rank raised on its own; the group works and the variables stay
     DROPPED = "dropped"  # every rank dropped its variables and its part of the group
     REPLACED = "replaced"  # the engines were replaced: their variables went with them
+    HEALED = "healed"  # a lost rank's new engine got a survivor's variables; a new group next
     STOPPED = "stopped"  # the clean-up was interrupted and the cluster stopped
 
 

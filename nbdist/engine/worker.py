@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import backends, display, profiling, stopping
+from nbdist.engine import backends, display, healing, profiling, stopping
 from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
@@ -172,6 +172,7 @@ def run_rank(spec: RankSpec) -> RankReport:
     state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
+            healing.rewrap(session_namespace())  # models a healing unwrapped, on the new group
             namespace.update(names)
             namespace.update(
                 log=recorder,
@@ -234,7 +235,7 @@ def join_group(spec: RankSpec) -> None:
     ``--on`` cell leaves out do this, since the set-up needs every rank."""
     state = engine_state()
     with patch_environment(spec.env), backends.load(spec.framework).session(spec, state):
-        pass
+        healing.rewrap(session_namespace())
 
 
 def check_group(framework: str, *, timeout: float) -> str | None:

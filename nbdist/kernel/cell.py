@@ -42,7 +42,7 @@ from nbdist.engine import backends, worker
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.profiling import SKIP_STEPS
 from nbdist.errors import DistrainError, JobInterrupted, WorkerError
-from nbdist.kernel import breakdown, failures, prepare
+from nbdist.kernel import breakdown, failures, healing, prepare
 from nbdist.kernel.checks import calls
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
@@ -114,7 +114,7 @@ class Cell:
         try:
             outcome = job.watch_until_done()
             if outcome.lost:
-                self.give_up_lost(outcome)
+                self.give_up_lost(outcome, plan.framework)
             job.finish(outcome)
             state, dropped = self.settle(outcome, plan.framework)
             return self.result(outcome, plan, state, dropped)
@@ -213,11 +213,30 @@ class Cell:
         )  # fmt: skip
         return self.job
 
-    def give_up_lost(self, outcome: Outcome) -> None:
-        """The ranks that died or had to be killed: the cluster replaces its engines (a local
-        one) or goes on with those that answer (a connected one: nothing is killed there)."""
+    def give_up_lost(self, outcome: Outcome, framework: str) -> None:
+        """The ranks that died or had to be killed: a torch session on a local cluster is
+        healed (new engines at those ranks get a survivor's variables); else the cluster
+        replaces its engines (a local one) or goes on with those that answer (a connected one:
+        nothing is killed there)."""
+        lost = [outcome.ranks[p] for p in outcome.lost]
+        session = self.session
+        # What the survivors hold: the variables of the cells before, and of this one.
+        held = bool(session.variables) or any(r.names for r in outcome.reports.values())
+        said: list[str] = []  # healed: the error's last line says so; else why not, now
+        if session.heal_lost:
+            outcome.healed = healing.try_heal(
+                self.cluster, framework, lost, variables=held, notify=said.append
+            )
+        if outcome.healed is None:
+            for line in said:
+                session.notify(line)
+        else:
+            session.warm.clear()  # the new engines import the framework at the next cell
+            session.rendezvous.pop(framework, None)  # the next cell makes a new group
+            session.healed = outcome.healed
+            return
         hosts = sorted({outcome.hosts_pids[p][0] for p in outcome.lost})
-        what = self.cluster.lose([outcome.ranks[p] for p in outcome.lost], hosts)
+        what = self.cluster.lose(lost, hosts)
         outcome.replaced, outcome.shrunk = what == "replaced", what == "shrunk"
 
     # -- 3. settle -------------------------------------------------------------------------------
@@ -225,6 +244,8 @@ class Cell:
         """Bring the session to a known state after ``outcome``: the state, and the names of
         the variables dropped."""
         cluster, watch = self.cluster, outcome.watch
+        if outcome.healed is not None:
+            return SessionState.HEALED, []
         if outcome.replaced:
             return SessionState.REPLACED, []
         if outcome.shrunk:  # the engines that answer go on, in a group of their own
@@ -318,6 +339,9 @@ class Cell:
             lost = dropped
         if error is not None:
             line = failures.state_line(state, lost, connected_stale=cluster.stale)
+            if outcome.healed is not None:
+                said = outcome.healed.text()
+                line = said[0].upper() + said[1:]
             error.state = line or error.state  # a graceful stop's says what it kept
             if outcome.watch.abandoned:
                 still = [cluster.engines[outcome.ranks[p]] for p in outcome.watch.abandoned]

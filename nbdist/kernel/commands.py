@@ -8,7 +8,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from nbdist.engine import backends, session_ops
-from nbdist.kernel.engines import DEAD_ADVICE, gather
+from nbdist.kernel.engines import gather
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
@@ -28,7 +28,7 @@ def _running(session: Session, what: str) -> None:
     if dead:
         raise UsageError(
             f"%distrain {what}: {session.cluster.gone_text(dead, when=' after its last cell')}. "
-            f"{DEAD_ADVICE}"
+            f"{session.dead_advice()}"
         )
 
 

@@ -217,6 +217,10 @@ DEAD_ADVICE = (
     "The next %%distrain cell replaces the workers (their variables are lost); "
     "%distrain restart does it now."
 )
+HEAL_ADVICE = (  # with %distrain heal on (torch, a local cluster)
+    "The next %%distrain cell heals the session (new engines get a survivor's variables); "
+    "%distrain restart starts over."
+)
 
 
 def exit_text(code: int | None) -> str:

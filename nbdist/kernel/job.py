@@ -98,6 +98,7 @@ class Outcome:
     lost: list[int] = field(default_factory=list)  # positions that died or were killed
     replaced: bool = False  # the engines were replaced (a rank was killed or died)
     shrunk: bool = False  # a connected cluster went on without the engines it lost
+    healed: Any = None  # nbdist.kernel.healing.Healed: the lost ranks rebuilt from a survivor
     hosts_pids: dict[int, tuple[str, int]] = field(default_factory=dict)  # dead/killed positions
     exits: dict[int, str] = field(default_factory=dict)  # how each dead position's engine ended
     stop_asked: bool = False  # a graceful stop was asked for

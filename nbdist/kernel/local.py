@@ -18,9 +18,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from nbdist.engine import backends
+from nbdist.engine import backends, worker
 from nbdist.engine.env import sigint_ignored
 from nbdist.engine.hardware import busy_gpus_notice, gpu_holders, usable_cpus, visible_gpus
 from nbdist.errors import ClusterError
@@ -268,6 +269,41 @@ class LocalCluster(RankedEngines):
                 "stopped, and the next %%distrain (or %distrain start) starts a new one."
             ) from e
 
+    def replace_ranks(self, ranks: Sequence[int]) -> None:
+        """New engines for the dead ``ranks``, each at its rank (its host, GPU and local
+        rank); the other engines, and their variables, stay (``nbdist.kernel.healing``)."""
+        ranks = sorted(ranks)
+        old = set(self._client.ids)
+        for r in ranks:  # what is left of the dead (a zombie's threads, its loaders)
+            pid = self.engines[r].pid
+            kill_tree((pid, self._procs.get(pid, 0.0)))
+        # ipyparallel drops a dead engine's launcher only when its loop next runs: a launcher of
+        # an engine that died (this one, or an earlier one) is not a new engine that failed.
+        started = [
+            launcher.pid
+            for engine_set in self._cluster.engines.values()
+            for launcher in engine_set.launchers.values()
+        ]
+        self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
+            self.preload, self.size, self.network
+        )
+        self._cluster.start_engines_sync(len(ranks))
+        self._record_pids()
+        ids = self._new_ids(old, len(ranks), started=started)
+        infos = (
+            self._client[ids]
+            .apply_async(worker.engine_info, self._peer())
+            .get(timeout=ENGINE_START_TIMEOUT_S)
+        )
+        engines = list(self.engines)
+        for r, engine_id, info in zip(ranks, ids, infos, strict=True):
+            engines[r] = replace(engines[r], engine_id=engine_id, pid=info.pid)
+        self._client[ids].map_sync(
+            worker.use_gpus, [engines[r].visible for r in ranks],
+            [engines[r].cuda_index for r in ranks],
+        )  # fmt: skip
+        self._learned(engines)
+
     def lose(self, ranks: Sequence[int], hosts: Sequence[str]) -> str:
         """The engines of ``ranks`` died, or had to be killed, during a job: every engine is
         replaced, so the next cell starts clean (the job's error tells what was lost)."""
@@ -405,8 +441,10 @@ class LocalCluster(RankedEngines):
         self._reaper.record.write(dict.fromkeys(pids))
         _private_logs(self._reaper.record.profile / "log")
 
-    def _new_ids(self, old: set[int], n: int) -> list[int]:
-        """The ids of ``n`` engines registered after ``old``, once all are there.
+    def _new_ids(self, old: set[int], n: int, *, started: Sequence[int] = ()) -> list[int]:
+        """The ids of ``n`` engines registered after ``old``, once all are there (``started``:
+        the launchers' pids from before these engines were started: not theirs, whatever
+        became of them).
 
         A killed engine stays listed for up to the heartbeat's 10 s: counting every id would let
         a dead one plus a new one pass for two engines.
@@ -416,7 +454,7 @@ class LocalCluster(RankedEngines):
             new = sorted(set(self._client.ids) - old)
             if len(new) >= n:
                 return new[:n]
-            exited = self._exited_engine()
+            exited = self._exited_engine(started)
             if exited is not None:
                 raise ClusterError(exited)
             if time.monotonic() > deadline:
@@ -426,7 +464,7 @@ class LocalCluster(RankedEngines):
                 )
             time.sleep(0.05)
 
-    def _exited_engine(self) -> str | None:
+    def _exited_engine(self, started: Sequence[int] = ()) -> str | None:
         """An engine process of this cluster that exited while the others start, and the end
         of what it printed (its own error: it could not join the private network, a module in
         the notebook's folder broke its imports, ...); None while they all run."""
@@ -437,7 +475,7 @@ class LocalCluster(RankedEngines):
         for engine_set in self._cluster.engines.values():
             for launcher in list(engine_set.launchers.values()):
                 process = getattr(launcher, "process", None)
-                if process is None:
+                if process is None or launcher.pid in started:
                     continue
                 try:
                     code = process.wait(0)

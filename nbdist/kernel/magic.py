@@ -248,6 +248,11 @@ SUBCOMMANDS = (
         "auto", "on|off", "run every cell on the workers (%%local cells in the notebook)",
         lambda p: p.add_argument("mode", choices=("on", "off")),
     ),
+    Subcommand(
+        "heal", "on|off", "torch: when a worker dies, a new engine takes its rank and every "
+        "rank gets a survivor's variables (off: the engines are replaced, the variables lost)",
+        lambda p: p.add_argument("mode", choices=("on", "off")),
+    ),
 )  # fmt: skip
 
 _SUBCOMMANDS = " | ".join(f"{c.name} {c.usage}".strip() for c in SUBCOMMANDS)
@@ -521,6 +526,16 @@ class DistrainMagics(Magics):
             "notebook, %distrain auto off ends it"
             if self.auto
             else "nbdist: auto off: cells run in the notebook again"
+        )
+
+    def _heal(self, ns: argparse.Namespace) -> None:
+        self.session.heal_lost = ns.mode == "on"
+        print(
+            "nbdist: heal on: when a worker dies (torch, workers nbdist started), a new engine "
+            "takes its rank and every rank gets the lowest survivor's variables; DDP models are "
+            "wrapped again on a new group"
+            if self.session.heal_lost
+            else "nbdist: heal off: a worker that dies takes the session's variables with it"
         )
 
     def close(self) -> None:

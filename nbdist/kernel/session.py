@@ -22,13 +22,14 @@ from typing import Any, TextIO
 from IPython.core.error import UsageError
 
 from nbdist.engine.hardware import visible_gpus
-from nbdist.kernel import cell
+from nbdist.kernel import cell, healing
 from nbdist.kernel.cell import Cell
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.connected import ConnectedCluster
 from nbdist.kernel.curves import Segment
 from nbdist.kernel.display import LiveView
+from nbdist.kernel.engines import DEAD_ADVICE, HEAL_ADVICE
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.local import LocalCluster, default_workers
 from nbdist.kernel.options import RunOptions
@@ -70,6 +71,8 @@ class Session:
         self.rendezvous: dict[str, Rendezvous] = {}  # each framework's live one
         self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
+        self.healed: healing.Healed | None = None  # the last healing after a lost worker
+        self.heal_lost = False  # %distrain heal on: rebuild a lost rank from a survivor
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
         self.curve_key: str | None = None  # the model they trained (Recorder.model's key)
@@ -197,7 +200,13 @@ class Session:
 
     def status_text(self) -> str:
         self.ready()
-        return self.cluster.status_text(self.warm)
+        return self.cluster.status_text(self.warm).replace(DEAD_ADVICE, self.dead_advice())
+
+    def dead_advice(self) -> str:
+        """What the next cell does about ranks that died between cells."""
+        dead = self.cluster.dead(range(self.cluster.size)) if self.cluster.running else []
+        can = healing.why_not(self.cluster, self.framework, dead, variables=bool(self.variables))
+        return HEAL_ADVICE if self.heal_lost and can is None else DEAD_ADVICE
 
     def _engines_changed(self, note: str | None) -> None:
         """The cluster's engines changed: what was set up on them is gone; the variables are
@@ -235,8 +244,28 @@ class Session:
         dead = cluster.dead(range(cluster.size))
         if not dead:
             return
-        cluster.replace_dead(dead, cluster.gone_text(dead, when=" after its last cell"))
+        gone = cluster.gone_text(dead, when=" after its last cell")
+        if self.heal(dead, gone):
+            return
+        cluster.replace_dead(dead, gone)
         self.apply_changes()
+
+    def heal(self, dead: list[int], gone: str) -> bool:
+        """Rebuild the dead ranks from a survivor, the variables kept (``nbdist.kernel
+        .healing``); False where it cannot (the engines are then replaced as before)."""
+        framework = self.framework
+        if not self.heal_lost:
+            return False
+        healed = healing.try_heal(
+            self.cluster, framework, dead, variables=bool(self.variables), notify=self.notify,
+            gone=gone,
+        )  # fmt: skip
+        if healed is None:
+            return False
+        self.warm.clear()  # the new engines import the framework at the next cell
+        self.rendezvous.pop(framework, None)  # the next cell makes a new group
+        self.healed = healed
+        return True
 
     def drop(self, framework: str, why: str) -> None:
         """Every worker drops its variables and its part of the group, with a notice."""

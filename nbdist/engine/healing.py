@@ -1,0 +1,151 @@
+"""Healing a session after a worker died (torch): the engine side.
+
+In a data-parallel session every surviving rank holds a whole replica of the model and the
+optimizer, so a lost rank can be rebuilt from a survivor instead of every rank losing its
+variables. The notebook (``nbdist.kernel.healing``) runs these on the engines:
+
+1. every survivor :func:`leave_group`: each ``DistributedDataParallel`` in its namespace is
+   replaced by the module it wraps (its parameters are the optimizer's, untouched) and the
+   broken group is destroyed; the wrapped names are kept for step 4;
+2. one survivor :func:`snapshot`: the namespace's variables that can be pickled, in one
+   ``torch.save``, so that objects sharing tensors (a model and its optimizer) still share
+   them on arrival; what cannot be sent is named with why;
+3. every other rank (the new engine, and the other survivors, which may be a step apart after
+   a collective that completed on some ranks only) :func:`restore` s it;
+4. the next cell's group is new; before the cell runs, every rank wraps the same names in DDP
+   again (:func:`rewrap`), whose constructor broadcasts rank 0's parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from nbdist.engine.namespace import session_namespace, user_variables
+from nbdist.engine.state import engine_state
+
+SLOT = "healing"
+
+
+def leave_group(framework: str) -> dict[str, dict[str, Any]]:
+    """Unwrap this rank's DDP models and destroy its part of the broken group; the variables
+    stay. Returns the names that were DDP models, each with the constructor arguments kept."""
+    import gc
+
+    from nbdist.engine import backends
+
+    namespace = session_namespace()
+    wrapped: dict[str, dict[str, Any]] = {}
+    ddp = _ddp_type()
+    if ddp is not None:
+        for name in [n for n, v in namespace.items() if isinstance(v, ddp)]:
+            model = namespace[name]
+            wrapped[name] = _ddp_arguments(model)
+            namespace[name] = model.module
+        model = None
+    gc.collect()  # the DDP objects (and their reducers) held the group
+    backends.load(framework).recover(engine_state())
+    engine_state().slot(SLOT)["rewrap"] = wrapped
+    return wrapped
+
+
+def sharded() -> list[str]:
+    """The variables whose state is split across the ranks (an FSDP2 model, DTensors, an
+    optimizer over them): a survivor holds only its own shards, so they cannot be rebuilt."""
+    import sys
+
+    tensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if tensor is None:
+        return []
+    out = []
+    for name, value in user_variables(session_namespace()).items():
+        if isinstance(value, tensor):
+            out.append(name)
+            continue
+        params = getattr(value, "parameters", None)
+        groups = getattr(value, "param_groups", None)
+        try:
+            if callable(params):
+                found = any(isinstance(p, tensor) for p in params())
+            elif groups is not None:
+                found = any(isinstance(p, tensor) for g in groups for p in g["params"])
+            else:
+                found = False
+        except Exception:  # noqa: BLE001 - an object that only looks like a model
+            found = False
+        if found:
+            out.append(name)
+    return sorted(out)
+
+
+def snapshot() -> tuple[bytes, list[str], dict[str, str]]:
+    """This rank's variables as bytes (one ``torch.save``), the names in it, and the names
+    that could not be sent with why (an open file, a generator, a data loader's iterator)."""
+    import pickle
+
+    import torch
+
+    sendable, unsent = {}, {}
+    for name, value in user_variables(session_namespace()).items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
+            unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
+            continue
+        sendable[name] = value
+    buffer = io.BytesIO()
+    torch.save(sendable, buffer)
+    return buffer.getvalue(), sorted(sendable), unsent
+
+
+def restore(data: bytes, rewrap: dict[str, dict[str, Any]]) -> list[str]:
+    """Take a survivor's variables (``snapshot``); ``rewrap``: the names the next cell wraps
+    in DDP again. Returns the names restored."""
+    import torch
+
+    values = torch.load(io.BytesIO(data), weights_only=False)
+    namespace = session_namespace()
+    namespace.update(values)
+    engine_state().slot(SLOT)["rewrap"] = rewrap
+    return sorted(values)
+
+
+def rewrap(namespace: dict[str, Any]) -> list[str]:
+    """Before the first cell on a new group: wrap the models a healing unwrapped in DDP again,
+    in the same order on every rank (each constructor is a collective). Returns their names."""
+    wrapped = engine_state().slot(SLOT).pop("rewrap", None)
+    if not wrapped:
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name in sorted(wrapped):
+        namespace[name] = DistributedDataParallel(namespace[name], **wrapped[name])
+    return sorted(wrapped)
+
+
+def _ddp_arguments(model: Any) -> dict[str, Any]:
+    """The constructor arguments of a DDP model that are not the defaults (the ones a model
+    built in a notebook sets: its GPU, unused parameters, no buffer sync)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs: dict[str, Any] = {}
+    if getattr(model, "device_ids", None):
+        kwargs["device_ids"] = list(model.device_ids)
+        kwargs["output_device"] = model.output_device
+    if getattr(model, "find_unused_parameters", False):
+        kwargs["find_unused_parameters"] = True
+    sync = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True))
+    if not sync:  # torch 2.13 renamed it (and warns of the old name)
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        renamed = "forward_sync_buffers" in params
+        kwargs["forward_sync_buffers" if renamed else "broadcast_buffers"] = False
+    return kwargs
+
+
+def _ddp_type() -> type | None:
+    import sys
+
+    parallel = sys.modules.get("torch.nn.parallel")
+    return getattr(parallel, "DistributedDataParallel", None)

@@ -1,0 +1,142 @@
+"""Healing a session after a worker died: the notebook's side (the engines': ``nbdist.engine
+.healing``).
+
+A torch session on a local cluster survives a lost rank: the survivors keep their variables,
+a new engine takes the dead rank's place, and every rank but one survivor (the lowest) gets
+that survivor's variables, so all replicas are equal again; the next cell makes a new group and
+wraps the DDP models in it again. What cannot be sent (an open file, a generator, a data
+loader's iterator) is named. It is a command, ``%distrain heal on`` (off by default, for now):
+then it is automatic, after a cell in which a rank died or before the next cell when a rank
+died between cells. Elsewhere the engines are replaced as before, and the cell says why:
+TensorFlow (a ``MultiWorkerMirroredStrategy`` cannot change its cluster in place), a connected
+cluster (nbdist starts no engine there), sharded state (FSDP2: the dead rank's shards died with
+it), no survivor, or nothing to keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nbdist.engine import healing
+from nbdist.kernel.engines import gather
+
+HEAL_TIMEOUT_S = 120.0  # the survivors' leave, the snapshot, the new engines, the restores
+
+
+@dataclass(frozen=True)
+class Healed:
+    """What a healing did."""
+
+    ranks: tuple[int, ...]  # the ranks that got new engines
+    source: int  # the survivor whose variables every other rank got
+    sent: tuple[str, ...]
+    unsent: dict[str, str]  # name -> what it is and why it could not be sent
+    rewrapped: tuple[str, ...]  # DDP models, wrapped again on the next cell's group
+
+    def text(self) -> str:
+        which = ", ".join(map(str, self.ranks))
+        rank = "rank" if len(self.ranks) == 1 else "ranks"
+        line = (
+            f"the session was healed: new engines took {rank} {which}, and every rank got rank "
+            f"{self.source}'s variables ({', '.join(self.sent) or 'none'})"
+        )
+        if self.rewrapped:
+            line += (
+                f"; the next cell wraps {', '.join(self.rewrapped)} in "
+                "DistributedDataParallel again, on a new process group"
+            )
+        if self.unsent:
+            what = ", ".join(f"{n} ({why})" for n, why in sorted(self.unsent.items()))
+            line += f". Not sent, re-run the cells that make them: {what}"
+        return line + "."
+
+
+def why_not(
+    cluster: Any, framework: str | None, dead: Sequence[int], *, variables: bool
+) -> str | None:
+    """Why the session cannot be healed after ``dead`` died (None: it can)."""
+    if not variables:
+        return "the workers held no variables"
+    if framework != "torch":
+        return (
+            "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place"
+            if framework == "tf"
+            else "no framework's session to heal"
+        )
+    if not hasattr(cluster, "replace_ranks"):
+        return "nbdist starts no engines on a connected cluster"
+    if len(set(dead)) >= cluster.size:
+        return "no rank survived"
+    return None
+
+
+class _Unhealable(Exception):  # noqa: N818 - a reason, said as is; caught in try_heal
+    """What the survivors hold cannot rebuild the lost ranks (sharded state)."""
+
+
+def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
+    """Rebuild the ranks ``dead`` from the lowest surviving rank (see the module's doc)."""
+    dead = sorted(set(dead))
+    survivors = [r for r in range(cluster.size) if r not in dead]
+    late = lambda r: TimeoutError(f"rank {r} did not answer")  # noqa: E731
+    split = cluster.apply_async(survivors[0], healing.sharded).get(HEAL_TIMEOUT_S)
+    if split:
+        lost = ", ".join(map(str, dead))
+        raise _Unhealable(
+            f"{', '.join(split)} {'is' if len(split) == 1 else 'are'} sharded across the ranks "
+            f"(FSDP2, DTensor): the shards of rank {lost} died with it, and no survivor holds "
+            "them. Save a checkpoint (torch.distributed.checkpoint) to resume sharded training"
+        )
+    left = gather(
+        survivors,
+        [cluster.apply_async(r, healing.leave_group, framework) for r in survivors],
+        HEAL_TIMEOUT_S,
+        late=late,
+    )
+    source = survivors[0]
+    rewrap = left[0]
+    data, sent, unsent = cluster.apply_async(source, healing.snapshot).get(HEAL_TIMEOUT_S)
+    cluster.replace_ranks(dead)
+    others = [r for r in range(cluster.size) if r != source]
+    gather(
+        others,
+        [cluster.apply_async(r, healing.restore, data, rewrap) for r in others],
+        HEAL_TIMEOUT_S,
+        late=late,
+    )
+    return Healed(
+        ranks=tuple(dead), source=source, sent=tuple(sent), unsent=dict(unsent),
+        rewrapped=tuple(sorted(rewrap)),
+    )  # fmt: skip
+
+
+def try_heal(
+    cluster: Any,
+    framework: str | None,
+    dead: Sequence[int],
+    *,
+    variables: bool,
+    notify: Any,
+    gone: str | None = None,
+) -> Healed | None:
+    """Heal if it can be done (:func:`heal`), and say so; else say why not (unless there was
+    nothing to keep) and return None: the caller replaces the engines, as before. ``gone``:
+    how the ranks died, said first."""
+    why = why_not(cluster, framework, dead, variables=variables)
+    head = f"nbdist: {gone}; " if gone else "nbdist: "
+    if why is not None:
+        if variables:
+            notify(f"{head}not healed: {why}.")
+        return None
+    try:
+        healed = heal(cluster, framework, dead)
+    except _Unhealable as e:
+        notify(f"{head}not healed: {e}.")
+        return None
+    except Exception as e:  # noqa: BLE001 - the old way then, with why
+        notify(f"{head}healing failed ({type(e).__name__}: {e}).")
+        return None
+    notify(f"{head}{healed.text()}")
+    return healed

@@ -1,0 +1,206 @@
+"""A session that survives a lost worker (torch, a local cluster): the survivors keep their
+variables, a new engine takes the dead rank and gets a survivor's variables, and the next cell
+trains on with the replicas equal. Real engines, a real gloo group, a real SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from nbdist import WorkerDied
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch]
+
+BUILD = """
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(),
+                                                          nn.Linear(64, 1)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(256, 16, generator=g)
+Y = X.sum(1, keepdim=True)
+done = 0
+"""
+TRAIN = """
+import time
+for step in range(STEPS):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(X), Y)
+    loss.backward()
+    opt.step()
+    done += 1
+    time.sleep(PAUSE)
+(done, round(loss.item(), 6), type(model).__name__)
+"""
+
+
+def _train(sh, steps, pause=0.0, flags="--no-plot"):
+    sh.user_ns.update(STEPS=steps, PAUSE=pause)
+    return sh.run_cell_magic("distrain", f"{flags} --push STEPS,PAUSE", TRAIN)
+
+
+def _kill(pid):
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _replicas_equal(sh):
+    for name in ("model", "opt"):
+        same = sh.run_line_magic("distrain", f"compare {name}")
+        assert same.identical, (name, same)
+
+
+@pytest.fixture
+def healing(fresh_session, magics):
+    """Two warm, empty torch workers with %distrain heal on (off again after the test)."""
+    fresh_session.run_line_magic("distrain", "heal on")
+    yield fresh_session
+    fresh_session.run_line_magic("distrain", "heal off")
+
+
+def test_a_rank_killed_between_cells_is_healed(healing, magics, capsys):
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", BUILD + "gen = (i for i in range(3))\n")
+    _train(sh, 5)
+    survivor, victim = (e.pid for e in magics.cluster.engines)
+    _kill(victim)
+    capsys.readouterr()
+    sh.run_line_magic("distrain", "status")
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(
+            "The next %%distrain cell heals the session (new engines get a survivor's variables); "
+            "%distrain restart starts over."
+        )
+    )
+    done, loss, kind = _train(sh, 5)
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert "rank 1 (host" in said and "killed by SIGKILL" in said, said
+    assert (
+        "the session was healed: new engines took rank 1, and every rank got rank 0's "
+        "variables (PAUSE, STEPS, X, Y, done, g, loss, model, opt, step)" in said
+    ), said
+    assert "Warning" not in said, said
+    assert (
+        "wraps model in DistributedDataParallel again, on a new process group. Not sent, re-run "
+        "the cells that make them: gen (generator: TypeError)." in said
+    ), said
+    pids = [e.pid for e in magics.cluster.engines]
+    assert pids[0] == survivor and pids[1] != victim
+    # Trained on from where it was: 5 steps before, 5 after, on every rank alike.
+    assert (done, kind) == (10, "DistributedDataParallel")
+    _replicas_equal(sh)
+
+
+def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, magics):
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", BUILD)
+    _train(sh, 3)
+    victim = magics.cluster.engines[1].pid
+
+    def kill_when_training():
+        time.sleep(1.5)
+        _kill(victim)
+
+    import threading
+
+    killer = threading.Thread(target=kill_when_training)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        _train(sh, 1000, pause=0.05)
+    killer.join()
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert f"pid {victim}" in message and "rank 1" in message, message
+    last = message.splitlines()[-1]
+    assert last.startswith(
+        "The session was healed: new engines took rank 1, and every rank got rank 0's variables ("
+    ), message
+    assert took < 1.5 + 15, took
+    done, _, kind = _train(sh, 4)
+    assert kind == "DistributedDataParallel"
+    _replicas_equal(sh)
+
+
+FSDP2_BUILD = """
+from torch.distributed.device_mesh import init_device_mesh
+torch.manual_seed(0)
+sharded = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+mesh = init_device_mesh("cpu", (world_size,))
+fully_shard(sharded, mesh=mesh)
+opt = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+"""
+
+
+def test_a_sharded_model_cannot_be_healed_and_says_why(healing, magics, capsys):
+    """FSDP2: each rank holds its own shards; the dead rank's are gone with it."""
+    from tests.fsdp import fully_shard_import
+
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", fully_shard_import() + FSDP2_BUILD)
+    victim = magics.cluster.engines[1]
+    _kill(victim.pid)
+    capsys.readouterr()
+    assert sh.run_cell_magic("distrain", "--no-plot", "rank\n") == [0, 1]
+    out = capsys.readouterr().out
+    assert (
+        f"nbdist: rank 1 (host {victim.host}, pid {victim.pid}) died after its last cell: killed "
+        "by SIGKILL (kill -9, or the kernel's out-of-memory killer); not healed: opt, sharded "
+        "are sharded across the ranks (FSDP2, DTensor): the shards of rank 1 died with it, and "
+        "no survivor holds them. Save a checkpoint (torch.distributed.checkpoint) to resume "
+        "sharded training." in out
+    ), out
+    assert "the workers were replaced; their variables" in out
+
+
+def test_two_ranks_of_four_killed_at_once(healing, magics, capsys):
+    sh = healing
+    sh.run_line_magic("distrain", "start -n 4")
+    sh.run_cell_magic("distrain", "--no-plot", BUILD)
+    _train(sh, 3)
+    pids = [e.pid for e in magics.cluster.engines]
+    for r in (1, 2):
+        _kill(pids[r])
+    capsys.readouterr()
+    done, _, kind = _train(sh, 3)
+    said = capsys.readouterr().out
+    assert "the session was healed: new engines took ranks 1, 2, and every rank got rank 0's" in (
+        said
+    ), said
+    now = [e.pid for e in magics.cluster.engines]
+    assert now[0] == pids[0] and now[3] == pids[3] and not {now[1], now[2]} & set(pids)
+    assert (done, kind) == (6, "DistributedDataParallel")
+    _replicas_equal(sh)
+    sh.run_line_magic("distrain", "start -n 2")
+
+
+def _descendants() -> list[int]:
+    return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+
+def test_ten_cycles_of_kill_heal_train_leak_nothing(healing, magics):
+    """A soak: the same number of processes after each cycle, and the survivor's memory flat."""
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", BUILD)
+    _train(sh, 2)
+    survivor = psutil.Process(magics.cluster.engines[0].pid)
+    counts, rss = [], []
+    for cycle in range(10):
+        _kill(magics.cluster.engines[1].pid)
+        done, _, _ = _train(sh, 2)
+        assert done == 2 * (cycle + 2)
+        counts.append(len(_descendants()))
+        rss.append(survivor.memory_info().rss / 2**20)
+    _replicas_equal(sh)
+    assert len(set(counts)) == 1, counts
+    assert rss[-1] - rss[1] < 40, rss  # MB; cycle 0 warms the snapshot's buffers up
