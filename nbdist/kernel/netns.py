@@ -325,10 +325,12 @@ def resolver_reachable(path: str = "/etc/resolv.conf") -> bool:
 
 
 def wait_for_files(controller: Any, timeout: float) -> list[str]:
-    """The controller's connection files, once it has written them."""
+    """The controller's connection files, once it has written them: each there and whole (the
+    controller writes them in place, and a file read as soon as it existed was once empty: a
+    clean-clone run's start failed on its JSON)."""
     files = list(controller.connection_files.values())
     deadline = time.monotonic() + timeout
-    while not all(os.path.exists(f) for f in files):
+    while not all(_written(f) for f in files):
         if controller.poll() is not None:
             raise ClusterError("the ipyparallel controller exited while starting")
         if time.monotonic() > deadline:
@@ -337,6 +339,15 @@ def wait_for_files(controller: Any, timeout: float) -> list[str]:
             )
         time.sleep(0.02)
     return files
+
+
+def _written(path: str) -> bool:
+    """Whether ``path`` holds a whole JSON object."""
+    try:
+        with open(path) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def _first_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -253,6 +253,11 @@ def test_wait_for_files_gives_up(tmp_path):
         launcher.process.wait()
     security = tmp_path / "security"
     security.mkdir()
+    # A file that is there but not yet written (the controller writes in place) is not ready.
+    (security / "ipcontroller-t-client.json").write_text("")
+    (security / "ipcontroller-t-engine.json").write_text("{}")
+    with pytest.raises(ClusterError, match="wrote no connection file within 1 s$"):
+        wait_for_files(launcher, 1)
     for kind in ("client", "engine"):
         (security / f"ipcontroller-t-{kind}.json").write_text("{}")
     assert wait_for_files(launcher, 1) == [
