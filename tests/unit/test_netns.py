@@ -245,19 +245,21 @@ def test_wait_for_files_gives_up(tmp_path):
     from nbdist.kernel.netns import wait_for_files
 
     launcher = _controller(tmp_path, "import time; time.sleep(60)")
+    security = tmp_path / "security"
     try:
+        with pytest.raises(ClusterError, match="wrote no connection file within 1 s$"):
+            wait_for_files(launcher, 1)
+        # A file that is there but not yet written (the controller writes in place) is not
+        # ready either.
+        security.mkdir(exist_ok=True)
+        (security / "ipcontroller-t-client.json").write_text("")
+        (security / "ipcontroller-t-engine.json").write_text("{}")
         with pytest.raises(ClusterError, match="wrote no connection file within 1 s$"):
             wait_for_files(launcher, 1)
     finally:
         launcher.signal(9)
         launcher.process.wait()
-    security = tmp_path / "security"
-    security.mkdir()
-    # A file that is there but not yet written (the controller writes in place) is not ready.
-    (security / "ipcontroller-t-client.json").write_text("")
-    (security / "ipcontroller-t-engine.json").write_text("{}")
-    with pytest.raises(ClusterError, match="wrote no connection file within 1 s$"):
-        wait_for_files(launcher, 1)
+    security.mkdir(exist_ok=True)
     for kind in ("client", "engine"):
         (security / f"ipcontroller-t-{kind}.json").write_text("{}")
     assert wait_for_files(launcher, 1) == [
