@@ -201,6 +201,8 @@ class LocalCluster(RankedEngines):
                 log.debug("client close failed", exc_info=True)
         if cluster is not None:
             cluster.stop_cluster_sync()
+        if self._reaper is not None:
+            _kill_nannies(self._reaper.record.profile)
         if self.network is not None:
             self.network.stop()
         reaper, self._reaper = self._reaper, None
@@ -488,6 +490,22 @@ class LocalCluster(RankedEngines):
                     f"{said or '    (nothing)'}\n"
                 )
         return None
+
+
+def _kill_nannies(profile: Any) -> None:
+    """SIGKILL the nannies of this cluster's engines (known by the cluster's profile folder in
+    their environment). An engine starts its nanny in a session of its own; once the engine
+    has gone with the controller, the nanny can wait forever to tell the gone controller so:
+    two were found 16 minutes after a start that failed."""
+    import psutil
+
+    want = str(profile)
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "ipyparallel.engine.nanny" not in " ".join(proc.info["cmdline"] or ()):
+                continue
+            if proc.environ().get("IPP_PROFILE_DIR") == want:
+                proc.kill()
 
 
 def shutdown_engines(client: Any, procs: dict[int, float]) -> None:
