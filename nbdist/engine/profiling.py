@@ -25,7 +25,7 @@ from __future__ import annotations
 import gzip
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,7 +55,7 @@ def is_launch(name: str) -> bool:
     return name.startswith(_COMM_LAUNCH)
 
 
-def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``intervals`` as sorted, disjoint intervals."""
     out: list[tuple[float, float]] = []
     for start, end in sorted(intervals):

@@ -28,23 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nbdist.engine.profiling import merge
+
 Intervals = list[tuple[float, float]]
 
 FOLDER = "nbdist-profile"  # under the notebook's working directory
 MAX_LANES = 16  # ranks drawn in the timeline; the rest are in the table
 PARTS = ("compute", "communication", "waiting", "other")
-
-
-def merge(intervals: Sequence[tuple[float, float]]) -> Intervals:
-    out: Intervals = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def length(intervals: Intervals) -> float:
@@ -298,7 +288,11 @@ def timeline_png(report: ProfileReport) -> bytes:
 def _offsets(lanes: list[dict[str, Any]]) -> list[float]:
     if not lanes:
         return []
-    ends0 = lanes[0]["ends"]
+
+    def start(lane: dict[str, Any]) -> float:
+        return lane["window"][0][0] if lane["window"] else 0.0
+
+    ends0, w0 = lanes[0]["ends"], start(lanes[0])
     offsets = []
     for lane in lanes:
         ends = lane["ends"]
@@ -306,9 +300,8 @@ def _offsets(lanes: list[dict[str, Any]]) -> list[float]:
             diffs = sorted(e - e0 for e, e0 in zip(ends, ends0, strict=True))
             shift = diffs[len(diffs) // 2]
         else:
-            w0 = lanes[0]["window"][0][0] if lanes[0]["window"] else 0.0
-            shift = (lane["window"][0][0] if lane["window"] else 0.0) - w0
-        offsets.append(shift + (lanes[0]["window"][0][0] if lanes[0]["window"] else 0.0))
+            shift = start(lane) - w0
+        offsets.append(shift + w0)
     return offsets
 
 
