@@ -42,7 +42,7 @@ from nbdist.engine import backends, worker
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.profiling import SKIP_STEPS
 from nbdist.errors import DistrainError, JobInterrupted, WorkerError
-from nbdist.kernel import breakdown, failures, healing, prepare
+from nbdist.kernel import breakdown, failures, prepare
 from nbdist.kernel.checks import calls
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
@@ -214,8 +214,9 @@ class Cell:
         return self.job
 
     def give_up_lost(self, outcome: Outcome, framework: str) -> None:
-        """The ranks that died or had to be killed: a torch session on a local cluster is
-        healed (new engines at those ranks get a survivor's variables); else the cluster
+        """The ranks that died or had to be killed: with ``%distrain heal on`` a torch session
+        on a local cluster is healed (new engines at those ranks get a survivor's variables,
+        ``Session.heal``); else the cluster
         replaces its engines (a local one) or goes on with those that answer (a connected one:
         nothing is killed there)."""
         lost = [outcome.ranks[p] for p in outcome.lost]
@@ -223,18 +224,11 @@ class Cell:
         # What the survivors hold: the variables of the cells before, and of this one.
         held = bool(session.variables) or any(r.names for r in outcome.reports.values())
         said: list[str] = []  # healed: the error's last line says so; else why not, now
-        if session.heal_lost:
-            outcome.healed = healing.try_heal(
-                self.cluster, framework, lost, variables=held, notify=said.append
-            )
-        if outcome.healed is None:
-            for line in said:
-                session.notify(line)
-        else:
-            session.warm.clear()  # the new engines import the framework at the next cell
-            session.rendezvous.pop(framework, None)  # the next cell makes a new group
-            session.healed = outcome.healed
+        outcome.healed = session.heal(lost, framework=framework, variables=held, notify=said.append)
+        if outcome.healed is not None:
             return
+        for line in said:
+            session.notify(line)
         hosts = sorted({outcome.hosts_pids[p][0] for p in outcome.lost})
         what = self.cluster.lose(lost, hosts)
         outcome.replaced, outcome.shrunk = what == "replaced", what == "shrunk"

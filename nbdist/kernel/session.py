@@ -204,9 +204,11 @@ class Session:
 
     def dead_advice(self) -> str:
         """What the next cell does about ranks that died between cells."""
-        dead = self.cluster.dead(range(self.cluster.size)) if self.cluster.running else []
+        if not self.heal_lost or not self.cluster.running:
+            return DEAD_ADVICE
+        dead = self.cluster.dead(range(self.cluster.size))
         can = healing.why_not(self.cluster, self.framework, dead, variables=bool(self.variables))
-        return HEAL_ADVICE if self.heal_lost and can is None else DEAD_ADVICE
+        return HEAL_ADVICE if can is None else DEAD_ADVICE
 
     def _engines_changed(self, note: str | None) -> None:
         """The cluster's engines changed: what was set up on them is gone; the variables are
@@ -245,27 +247,37 @@ class Session:
         if not dead:
             return
         gone = cluster.gone_text(dead, when=" after its last cell")
-        if self.heal(dead, gone):
+        if self.heal(dead, gone=gone) is not None:
             return
         cluster.replace_dead(dead, gone)
         self.apply_changes()
 
-    def heal(self, dead: list[int], gone: str) -> bool:
-        """Rebuild the dead ranks from a survivor, the variables kept (``nbdist.kernel
-        .healing``); False where it cannot (the engines are then replaced as before)."""
-        framework = self.framework
+    def heal(
+        self,
+        dead: list[int],
+        *,
+        framework: str | None = None,
+        variables: bool | None = None,
+        gone: str | None = None,
+        notify: Any = None,
+    ) -> healing.Healed | None:
+        """With ``%distrain heal on``: rebuild the dead ranks from a survivor, the variables
+        kept (``nbdist.kernel.healing``); None where it cannot, or is off (the engines are then
+        replaced as before). ``framework`` and ``variables`` default to the session's (a cell
+        that lost ranks passes its own); ``notify`` to the session's."""
         if not self.heal_lost:
-            return False
+            return None
+        framework = framework or self.framework
+        held = bool(self.variables) if variables is None else variables
         healed = healing.try_heal(
-            self.cluster, framework, dead, variables=bool(self.variables), notify=self.notify,
+            self.cluster, framework, dead, variables=held, notify=notify or self.notify,
             gone=gone,
         )  # fmt: skip
-        if healed is None:
-            return False
-        self.warm.clear()  # the new engines import the framework at the next cell
-        self.rendezvous.pop(framework, None)  # the next cell makes a new group
-        self.healed = healed
-        return True
+        if healed is not None:
+            self.warm.clear()  # the new engines import the framework at the next cell
+            self.rendezvous.pop(framework, None)  # the next cell makes a new group
+            self.healed = healed
+        return healed
 
     def drop(self, framework: str, why: str) -> None:
         """Every worker drops its variables and its part of the group, with a notice."""
