@@ -85,17 +85,21 @@ def snapshot() -> tuple[bytes, list[str], dict[str, str]]:
 
     import torch
 
-    sendable, unsent = {}, {}
-    for name, value in user_variables(session_namespace()).items():
-        try:
-            pickle.dumps(value)
-        except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
-            unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
-            continue
-        sendable[name] = value
+    values = user_variables(session_namespace())
+    unsent: dict[str, str] = {}
     buffer = io.BytesIO()
-    torch.save(sendable, buffer)
-    return buffer.getvalue(), sorted(sendable), unsent
+    try:  # one pass when everything can go (the usual case: a model twice is its size twice)
+        torch.save(values, buffer)
+    except Exception:  # noqa: BLE001 - then find what cannot go, and send the rest
+        for name, value in values.items():
+            try:
+                pickle.dumps(value)
+            except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
+                unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
+        values = {n: v for n, v in values.items() if n not in unsent}
+        buffer = io.BytesIO()
+        torch.save(values, buffer)
+    return buffer.getvalue(), sorted(values), unsent
 
 
 def restore(data: bytes, rewrap: dict[str, dict[str, Any]]) -> list[str]:
