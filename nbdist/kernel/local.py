@@ -281,11 +281,7 @@ class LocalCluster(RankedEngines):
             kill_tree((pid, self._procs.get(pid, 0.0)))
         # ipyparallel drops a dead engine's launcher only when its loop next runs: a launcher of
         # an engine that died (this one, or an earlier one) is not a new engine that failed.
-        started = [
-            launcher.pid
-            for engine_set in self._cluster.engines.values()
-            for launcher in engine_set.launchers.values()
-        ]
+        started = [launcher.pid for launcher in self._launchers()]
         self._cluster.config.LocalEngineSetLauncher.environment = _engine_env(
             self.preload, self.size, self.network
         )
@@ -437,8 +433,7 @@ class LocalCluster(RankedEngines):
         if cluster is not None:
             if cluster.controller is not None:
                 pids.append(cluster.controller.pid)
-            for engine_set in cluster.engines.values():
-                pids += [launcher.pid for launcher in engine_set.launchers.values()]
+            pids += [launcher.pid for launcher in self._launchers()]
         pids += [e.pid for e in self.engines]
         self._reaper.record.write(dict.fromkeys(pids))
         _private_logs(self._reaper.record.profile / "log")
@@ -472,40 +467,58 @@ class LocalCluster(RankedEngines):
         the notebook's folder broke its imports, ...); None while they all run."""
         import psutil
 
-        if self._cluster is None:
-            return None
-        for engine_set in self._cluster.engines.values():
-            for launcher in list(engine_set.launchers.values()):
-                process = getattr(launcher, "process", None)
-                if process is None or launcher.pid in started:
-                    continue
-                try:
-                    code = process.wait(0)
-                except psutil.TimeoutExpired:
-                    continue
-                lines = [ln for ln in launcher.get_output().splitlines() if ln.strip()]
-                said = "\n".join(f"    {ln}" for ln in lines[-ENGINE_OUTPUT_LINES:])
-                return (
-                    f"an engine exited while starting ({exit_text(code)}); it said:\n"
-                    f"{said or '    (nothing)'}\n"
-                )
+        for launcher in self._launchers():
+            process = getattr(launcher, "process", None)
+            if process is None or launcher.pid in started:
+                continue
+            try:
+                code = process.wait(0)
+            except psutil.TimeoutExpired:
+                continue
+            lines = [ln for ln in launcher.get_output().splitlines() if ln.strip()]
+            said = "\n".join(f"    {ln}" for ln in lines[-ENGINE_OUTPUT_LINES:])
+            return (
+                f"an engine exited while starting ({exit_text(code)}); it said:\n"
+                f"{said or '    (nothing)'}\n"
+            )
         return None
 
+    def _launchers(self) -> list[Any]:
+        """ipyparallel's launcher of each engine process it still lists, of every engine set."""
+        if self._cluster is None:
+            return []
+        return [
+            launcher
+            for engine_set in self._cluster.engines.values()
+            for launcher in list(engine_set.launchers.values())
+        ]
 
-def _kill_nannies(profile: Any) -> None:
-    """SIGKILL the nannies of this cluster's engines (known by the cluster's profile folder in
-    their environment). An engine starts its nanny in a session of its own; once the engine
-    has gone with the controller, the nanny can wait forever to tell the gone controller so:
-    two were found 16 minutes after a start that failed."""
+
+def engine_nannies(profile: Any) -> list[Any]:
+    """ipyparallel's nannies of the engines of the cluster with this profile folder (psutil
+    processes, known by the folder in their environment), wherever they are now: an engine
+    starts its nanny in a session of its own, so an orphaned one is nobody's child."""
     import psutil
 
-    want = str(profile)
+    want, out = str(profile), []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if "ipyparallel.engine.nanny" not in " ".join(proc.info["cmdline"] or ()):
                 continue
             if proc.environ().get("IPP_PROFILE_DIR") == want:
-                proc.kill()
+                out.append(proc)
+    return out
+
+
+def _kill_nannies(profile: Any) -> None:
+    """SIGKILL the nannies of this cluster's engines. Once the engine has gone with the
+    controller, a nanny can wait forever to tell the gone controller so: two were found 16
+    minutes after a start that failed."""
+    import psutil
+
+    for proc in engine_nannies(profile):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def shutdown_engines(client: Any, procs: dict[int, float]) -> None:

@@ -22,7 +22,7 @@ from nbdist.engine import worker
 from nbdist.kernel import cell, commands
 from nbdist.kernel import engines as engines_module
 from nbdist.kernel import local as cluster_module
-from nbdist.kernel.local import LocalCluster
+from nbdist.kernel.local import LocalCluster, engine_nannies
 from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -110,23 +110,6 @@ def test_interrupt_while_waiting_for_engines_or_learning_them_leaves_no_cluster(
         assert not cluster.running and cluster.engines == []
 
 
-def _nannies_of(profile) -> list[int]:
-    """ipyparallel nannies of the cluster with this profile folder, wherever they are now (an
-    orphaned one is no descendant of this process: no_process_left cannot see it)."""
-    import psutil
-
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if "ipyparallel.engine.nanny" in " ".join(proc.info["cmdline"] or ()) and (
-                proc.environ().get("IPP_PROFILE_DIR") == str(profile)
-            ):
-                out.append(proc.pid)
-        except psutil.Error:
-            continue
-    return out
-
-
 @pytest.mark.parametrize("step", ["stop_engines_sync", "start_engines_sync", "_learn_engines"])
 def test_interrupt_during_a_resize_leaves_no_cluster(step):
     cluster = LocalCluster(notify=lambda msg: None)
@@ -140,7 +123,7 @@ def test_interrupt_during_a_resize_leaves_no_cluster(step):
         with pytest.raises(KeyboardInterrupt):
             cluster.ensure(2)  # a resize replaces every engine
         assert not cluster.running and cluster.engines == []
-        assert _nannies_of(profile) == []
+        assert engine_nannies(profile) == []  # orphans too: no_process_left cannot see them
     cluster.__dict__.pop("_learn_engines", None)
     with no_process_left():
         cluster.ensure(2)
