@@ -285,6 +285,15 @@ class RankedEngines:
         runs or nbdist cannot tell (engines it did not start)."""
         return None
 
+    def how_ended(self, rank: int) -> str:
+        """How the engine of ``rank`` ended, in words ("" when unknown): its exit code or
+        signal, and what killed it when the machine says (see :meth:`note_memory`)."""
+        return exit_text(self.exit_status(rank))
+
+    def note_memory(self) -> None:
+        """Note where the engines' memory is counted, to tell an out-of-memory kill from a
+        ``kill -9`` after a death (engines on this machine only)."""
+
     def dead(self, ranks: Sequence[int]) -> list[int]:
         """Which of ``ranks`` have an engine that is gone."""
         raise NotImplementedError
@@ -303,14 +312,14 @@ class RankedEngines:
     def dead_reasons(self, ranks: Sequence[int] | None = None) -> dict[int, str]:
         """The ranks (of ``ranks``, or all) whose engine is gone, and how each ended."""
         chosen = range(self.size) if ranks is None else ranks
-        return {r: exit_text(self.exit_status(r)) for r in self.dead(chosen)}
+        return {r: self.how_ended(r) for r in self.dead(chosen)}
 
     def gone_text(self, ranks: Sequence[int], *, when: str = "") -> str:
         """``rank 1 (host a, pid 12) died after its last cell (killed by SIGKILL)``, for each."""
         parts = []
         for r in ranks:
             e = self.engines[r]
-            how = exit_text(self.exit_status(r))
+            how = self.how_ended(r)
             parts.append(
                 f"rank {r} (host {e.host}, pid {e.pid}) died{when}{f': {how}' if how else ''}"
             )

@@ -39,7 +39,6 @@ from nbdist.engine import backends, worker
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
-from nbdist.kernel.engines import exit_text
 from nbdist.kernel.metrics import MetricsStream, Rounds
 from nbdist.kernel.relay import OutputRelay
 from nbdist.kernel.watch import IDLE_CPU_SHARE, Watch
@@ -154,6 +153,7 @@ class Job:
         """Submit every rank's task and watch them until each is done (or stopped); the
         ranks that died or had to be killed are in the outcome's ``lost``."""
         start = time.monotonic()
+        self.cluster.note_memory()
         # An --on cell: the ranks it leaves out still take part in setting up the group (a
         # first init_process_group, or a new strategy, needs every rank).
         self._joining = [
@@ -195,7 +195,7 @@ class Job:
         for p in outcome.lost:
             engine = self.cluster.engines[self.ranks[p]]
             outcome.hosts_pids[p] = (engine.host, engine.pid)
-            outcome.exits[p] = exit_text(self.cluster.exit_status(self.ranks[p]))
+            outcome.exits[p] = self.cluster.how_ended(self.ranks[p])
         return outcome
 
     def finish(self, outcome: Outcome) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from nbdist.errors import ClusterError
 from nbdist.kernel.connfile import quiet_late_replies
 from nbdist.kernel.engines import EngineInfo, RankedEngines, exit_text
 from nbdist.kernel.netns import PrivateNetwork, wait_for_files
+from nbdist.kernel.oom import MemoryWatch
 from nbdist.kernel.runfiles import (
     KEEP_LOGS_ENV,
     Reaper,
@@ -73,6 +75,7 @@ class LocalCluster(RankedEngines):
         self._cluster: Any = None
         self._reaper: Reaper | None = None  # the run record, and the process that watches it
         self._procs: dict[int, float] = {}  # engine pid -> its start: a tree kill checks both
+        self._memory = MemoryWatch()  # to tell the out-of-memory killer from a kill -9
         self.network: PrivateNetwork | None = None
         # The workers' network: "private", "isolated" or "host" (%distrain start --network);
         # None: what $NBDIST_ENGINE_NETWORK says, else private.
@@ -362,6 +365,20 @@ class LocalCluster(RankedEngines):
                 return code
             time.sleep(0.05)
 
+    def how_ended(self, rank: int) -> str:
+        code = self.exit_status(rank)
+        if code == -signal.SIGKILL:
+            cause = self._memory.cause(self.engines[rank].pid)
+            if cause:
+                return (
+                    f"killed by SIGKILL from {cause}. Use less memory on each rank (a smaller "
+                    "batch or model), or fewer ranks, or give the job more memory"
+                )
+        return exit_text(code)
+
+    def note_memory(self) -> None:
+        self._memory.note(e.pid for e in self.engines)
+
     def _exit_code(self, pid: int) -> tuple[int | None, bool]:
         """(the exit code of engine ``pid`` if known, whether it still runs)."""
         import psutil
@@ -416,6 +433,7 @@ class LocalCluster(RankedEngines):
     def _learned(self, engines: list[EngineInfo]) -> None:
         self._procs = {e.pid: started(e.pid) or 0.0 for e in engines}
         self.engines = engines
+        self.note_memory()
         self._record_pids()
 
     def _record_pids(self) -> None:

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from nbdist import WorkerDied
+from tests.cgroups import memory_cgroup
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -129,6 +130,36 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     assert took < 1.5 + 15, took
     done, _, kind = _train(sh, 4)
     assert kind == "DistributedDataParallel"
+    _replicas_equal(sh)
+
+
+def test_a_rank_the_out_of_memory_killer_took_is_named_so_and_healed(healing, magics):
+    """A real OOM kill: rank 1's engine in a cgroup with a 200 MiB limit allocates 1 GiB."""
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", BUILD)
+    _train(sh, 3)
+    victim = magics.cluster.engines[1].pid
+    with memory_cgroup(200) as group, pytest.raises(WorkerDied) as info:
+        (group / "cgroup.procs").write_text(str(victim))
+        sh.run_cell_magic(
+            "distrain", "--no-plot", "if rank == 1:\n    big = torch.ones(2**28)\nrank\n"
+        )
+    message = str(info.value)
+    host = magics.cluster.engines[0].host
+    assert (
+        f"rank 1 (host {host}, pid {victim}) died during the job: rank 1 killed by SIGKILL from "
+        "the kernel's out-of-memory killer (memory limit 200 MiB) (" in message
+    ), message
+    # The kernel log where this user may read it, else the cgroup's count.
+    assert (
+        f"(kernel log: Memory cgroup out of memory: Killed process {victim} (" in message
+        or "/nbdist-oom-test-" in message
+        and "rose from 0 to 1)). " in message
+    ), message
+    assert "Use less memory on each rank (a smaller batch or model), or fewer ranks" in message
+    assert message.splitlines()[-1].startswith("The session was healed: new engines took rank 1")
+    done, _, kind = _train(sh, 2)
+    assert (done, kind) == (5, "DistributedDataParallel")
     _replicas_equal(sh)
 
 
