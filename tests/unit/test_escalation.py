@@ -161,6 +161,12 @@ class Cluster:
     def exit_status(self, rank):
         return None
 
+    def how_ended(self, rank):
+        return ""
+
+    def note_memory(self):
+        pass
+
 
 class Live:
     def update(self, *args, **kwargs) -> None:
