@@ -14,6 +14,13 @@ variables. The notebook (``nbdist.kernel.healing``) runs these on the engines:
    a collective that completed on some ranks only) :func:`restore` s it;
 4. the next cell's group is new; before the cell runs, every rank wraps the same names in DDP
    again (:func:`rewrap`), whose constructor broadcasts rank 0's parameters and buffers.
+
+TensorFlow cannot do steps 1-2: a ``MultiWorkerMirroredStrategy`` is configured once per
+process for its cluster, and a dead peer poisons the survivors' collectives. Its honest best:
+one survivor :func:`keras_snapshot` s its variables (each Keras model saved whole, ``.keras``:
+architecture, weights, optimizer state), every engine is replaced, each new one
+:func:`keep_for_strategy` s the snapshot, and before the next cell :func:`rewrap` loads the
+models in the new strategy's scope, so they are distributed variables again.
 """
 
 from __future__ import annotations
@@ -114,9 +121,58 @@ def restore(data: bytes, rewrap: dict[str, dict[str, Any]]) -> list[str]:
     return sorted(values)
 
 
-def rewrap(namespace: dict[str, Any]) -> list[str]:
+def keras_snapshot() -> tuple[bytes, list[str], dict[str, str]]:
+    """TensorFlow: this rank's variables as bytes, the names in them, and what could not be
+    sent with why. Keras models go whole (``model.save``); other TensorFlow objects (a dataset,
+    a tensor of the old strategy, the strategy itself) cannot: the new engines have a new
+    strategy, and they must be made in its scope again."""
+    import pickle
+    import tempfile
+
+    import keras
+
+    models: dict[str, bytes] = {}
+    plain: dict[str, bytes] = {}
+    unsent: dict[str, str] = {}
+    for name, value in user_variables(session_namespace()).items():
+        module = type(value).__module__.split(".")[0]
+        if isinstance(value, keras.Model):
+            with tempfile.TemporaryDirectory() as folder:
+                path = f"{folder}/{name}.keras"
+                value.save(path)
+                with open(path, "rb") as f:
+                    models[name] = f.read()
+        elif module in ("keras", "tensorflow", "tf_keras"):
+            unsent[name] = f"{type(value).__name__}: TensorFlow object of the old strategy"
+        else:
+            try:
+                plain[name] = pickle.dumps(value)
+            except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
+                unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
+    return pickle.dumps((models, plain)), sorted([*models, *plain]), unsent
+
+
+def keep_for_strategy(data: bytes) -> list[str]:
+    """TensorFlow, on a new engine: take a survivor's variables (:func:`keras_snapshot`); the
+    Keras models among them are built at the next cell, in its strategy's scope
+    (:func:`rewrap`). Returns the names of those models."""
+    import pickle
+
+    models, plain = pickle.loads(data)  # noqa: S301 - from this session's own engine
+    namespace = session_namespace()
+    namespace.update({name: pickle.loads(value) for name, value in plain.items()})  # noqa: S301
+    engine_state().slot(SLOT)["keras"] = models
+    return sorted(models)
+
+
+def rewrap(namespace: dict[str, Any], names: dict[str, Any] | None = None) -> list[str]:
     """Before the first cell on a new group: wrap the models a healing unwrapped in DDP again,
-    in the same order on every rank (each constructor is a collective). Returns their names."""
+    in the same order on every rank (each constructor is a collective); TensorFlow: load the
+    Keras models a healing kept in the new strategy's scope (``names["strategy"]``). Returns
+    their names."""
+    models = engine_state().slot(SLOT).pop("keras", None)
+    if models:
+        return _load_keras(namespace, models, names or {})
     wrapped = engine_state().slot(SLOT).pop("rewrap", None)
     if not wrapped:
         return []
@@ -125,6 +181,23 @@ def rewrap(namespace: dict[str, Any]) -> list[str]:
     for name in sorted(wrapped):
         namespace[name] = DistributedDataParallel(namespace[name], **wrapped[name])
     return sorted(wrapped)
+
+
+def _load_keras(namespace: dict[str, Any], models: dict[str, bytes], names: dict[str, Any]):
+    import contextlib
+    import tempfile
+
+    import keras
+
+    strategy = names.get("strategy")
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as folder, scope:
+        for name in sorted(models):  # the same order on every rank: variables are collective
+            path = f"{folder}/{name}.keras"
+            with open(path, "wb") as f:
+                f.write(models[name])
+            namespace[name] = keras.models.load_model(path)
+    return sorted(models)
 
 
 def _ddp_arguments(model: Any) -> dict[str, Any]:

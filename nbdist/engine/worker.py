@@ -172,7 +172,7 @@ def run_rank(spec: RankSpec) -> RankReport:
     state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
-            healing.rewrap(session_namespace())  # models a healing unwrapped, on the new group
+            healing.rewrap(session_namespace(), names)  # what a healing left for the new group
             namespace.update(names)
             namespace.update(
                 log=recorder,
@@ -234,8 +234,8 @@ def join_group(spec: RankSpec) -> None:
     """Take part in setting up the group (or strategy) without running the cell: the ranks an
     ``--on`` cell leaves out do this, since the set-up needs every rank."""
     state = engine_state()
-    with patch_environment(spec.env), backends.load(spec.framework).session(spec, state):
-        healing.rewrap(session_namespace())
+    with patch_environment(spec.env), backends.load(spec.framework).session(spec, state) as names:
+        healing.rewrap(session_namespace(), names)
 
 
 def check_group(framework: str, *, timeout: float) -> str | None:

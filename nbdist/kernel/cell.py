@@ -214,11 +214,10 @@ class Cell:
         return self.job
 
     def give_up_lost(self, outcome: Outcome, framework: str) -> None:
-        """The ranks that died or had to be killed: with ``%distrain heal on`` a torch session
-        on a local cluster is healed (new engines at those ranks get a survivor's variables,
-        ``Session.heal``); else the cluster
-        replaces its engines (a local one) or goes on with those that answer (a connected one:
-        nothing is killed there)."""
+        """The ranks that died or had to be killed: a torch session is healed (new engines at
+        those ranks, or the survivors alone, get a survivor's variables: ``Session.heal``),
+        unless ``%distrain heal off``; else the cluster replaces its engines (a local one) or
+        goes on with those that answer (a connected one: nothing is killed there)."""
         lost = [outcome.ranks[p] for p in outcome.lost]
         session = self.session
         # What the survivors hold: the variables of the cells before, and of this one.

@@ -12,6 +12,7 @@ user connected with.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from nbdist.engine import worker
@@ -20,8 +21,14 @@ from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo, RankedEngines, se
 from nbdist.protocol import EngineReport
 
 log = logging.getLogger(__name__)
+# What ipyparallel's Cluster logs while it starts engines to heal a session ("Engine 1 not
+# running": the dead engine it was told of): not for the notebook, where nbdist says what it did.
+_launcher_log = logging.getLogger(f"{__name__}.launcher")
+_launcher_log.propagate = False
+_launcher_log.addHandler(logging.NullHandler())
 
 LOOPBACK = "127.0.0.1"
+RELAUNCH_TIMEOUT_S = 60.0  # for the engines a cluster's launcher starts to register
 
 
 class ConnectedCluster(RankedEngines):
@@ -34,6 +41,9 @@ class ConnectedCluster(RankedEngines):
         # How %distrain connect named the cluster (profile, cluster id, folder, file): the
         # messages say how to restart it in the same words.
         self.connected_with: dict[str, str | None] = {}
+        # The ipyparallel Clusters that started engines to heal a session: kept, so that their
+        # launchers still watch (and reap) what they started; the engines outlive a disconnect.
+        self._relaunchers: list[object] = []
 
     def connect(
         self,
@@ -169,6 +179,65 @@ class ConnectedCluster(RankedEngines):
             f"nbdist: going on with the {some} ({why}): ranks renumbered 0-{len(alive) - 1}"
         )
         return True
+
+    def replace_ranks(self, ranks: Sequence[int]) -> bool:
+        """Healing (``nbdist.kernel.healing``): new engines for the dead ``ranks`` where the
+        cluster's own launcher can start them (True); else the engines that answer go on alone
+        (False). Either way the engines are ranked anew without forgetting what the survivors
+        hold; the caller gives every rank a survivor's variables."""
+        gone = {self.engines[r].engine_id for r in ranks}
+        alive = [e.engine_id for e in self.engines if e.engine_id not in gone]
+        new = self._relaunch(len(gone))
+        self._learn_engines(alive + (new or []), timeout=SETUP_TIMEOUT_S)
+        return new is not None
+
+    def _relaunch(self, n: int) -> list[int] | None:
+        """Start ``n`` engines with the launcher ``ipcluster start`` used (its cluster file
+        names it), and wait for them to register; None where that cannot be done: engines
+        started by hand (no cluster file), or an SSH launcher (it starts its whole list of
+        hosts at once, not ``n`` engines)."""
+        from nbdist.kernel.connfile import profile_folder, read_cluster_file
+
+        with_ = self.connected_with
+        if with_.get("url_file"):
+            return None
+        kwargs = {"profile": with_.get("profile"), "profile_dir": with_.get("profile_dir")}
+        data = read_cluster_file(cluster_id=with_.get("cluster_id"), **kwargs)
+        launcher = str((data or {}).get("engines", {}).get("class", ""))
+        if data is None or not launcher or "ssh" in launcher.lower():
+            return None
+        try:
+            from ipyparallel import Cluster
+
+            cluster = Cluster.from_dict(
+                data, profile_dir=str(profile_folder(**kwargs)),
+                cluster_id=with_.get("cluster_id") or "",
+                log=_launcher_log,  # not its own, which prints to stdout
+            )  # fmt: skip
+            launcher = cluster.engine_launcher_class.__name__
+            old = set(self._client.ids)
+            cluster.start_engines_sync(n)
+            self._relaunchers.append(cluster)
+        except Exception as e:  # noqa: BLE001 - said, and the survivors go on
+            self._notify(
+                f"nbdist: the cluster's launcher ({launcher}) could not start engines: {e}"
+            )
+            return None
+        deadline = time.monotonic() + RELAUNCH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            new = sorted(set(self._client.ids) - old)
+            if len(new) >= n:
+                self._notify(
+                    f"nbdist: the cluster's launcher ({launcher}) started {n} new "
+                    f"engine{'s' if n > 1 else ''}"
+                )
+                return new[:n]
+            time.sleep(0.1)
+        self._notify(
+            f"nbdist: the engines the cluster's launcher ({launcher}) started did not register "
+            f"within {RELAUNCH_TIMEOUT_S:.0f} s"
+        )
+        return None
 
     def newcomers(self) -> list[int]:
         """Engines that registered after nbdist ranked the others (a launcher still starting

@@ -174,6 +174,33 @@ def read_profile(
         os.close(profile_fd)
 
 
+def read_cluster_file(
+    *, profile: str | None, profile_dir: str | None, cluster_id: str | None
+) -> dict[str, Any] | None:
+    """The cluster file ``ipcluster start`` wrote for a profile (its launchers, what they
+    started), read with the same checks as the connection file; None when there is none (a
+    controller and engines started by hand)."""
+    folder = profile_folder(profile, profile_dir)
+    try:
+        profile_fd = _open_folder(folder, "profile folder")
+        try:
+            security_fd = _open_folder(
+                folder / "security", "profile's security folder", dir_fd=profile_fd
+            )
+            try:
+                return _read_json(
+                    folder / "security" / f"cluster-{cluster_id or ''}.json",
+                    dir_fd=security_fd,
+                    what="cluster file",
+                )
+            finally:
+                os.close(security_fd)
+        finally:
+            os.close(profile_fd)
+    except ClusterError:
+        return None
+
+
 def where_text(
     *, profile: str | None, cluster_id: str | None, profile_dir: str | None, url_file: str | None
 ) -> str:

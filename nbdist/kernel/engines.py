@@ -253,6 +253,7 @@ class RankedEngines:
     """
 
     source: str = ""
+    STARTS_ENGINES = False  # nbdist started them, and can replace them all
     network: Any = None  # the workers' private network (a local cluster's)
     stale: str | None = None  # why a connected cluster cannot run jobs any more
 

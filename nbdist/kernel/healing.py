@@ -1,16 +1,20 @@
 """Healing a session after a worker died: the notebook's side (the engines': ``nbdist.engine
 .healing``).
 
-A torch session on a local cluster survives a lost rank: the survivors keep their variables,
-a new engine takes the dead rank's place, and every rank but one survivor (the lowest) gets
-that survivor's variables, so all replicas are equal again; the next cell makes a new group and
-wraps the DDP models in it again. What cannot be sent (an open file, a generator, a data
-loader's iterator) is named. It is a command, ``%distrain heal on`` (off by default, for now):
-then it is automatic, after a cell in which a rank died or before the next cell when a rank
-died between cells. Elsewhere the engines are replaced as before, and the cell says why:
-TensorFlow (a ``MultiWorkerMirroredStrategy`` cannot change its cluster in place), a connected
-cluster (nbdist starts no engine there), sharded state (FSDP2: the dead rank's shards died with
-it), no survivor, or nothing to keep.
+A torch session survives a lost rank: the survivors keep their variables, a new engine takes
+the dead rank's place, and every rank but one survivor (the lowest) gets that survivor's
+variables, so all replicas are equal again; the next cell makes a new group and wraps the DDP
+models in it again. What cannot be sent (an open file, a generator, a data loader's iterator)
+is named. It is automatic (``%distrain heal off`` turns it off): after a cell in which a rank
+died, or before the next cell when a rank died between cells.
+
+Where the new engines come from: a local cluster starts them itself; a connected cluster asks
+the launcher ``ipcluster start`` used (its cluster file names it), and where there is none (engines
+started by hand, an SSH launcher, which starts all its hosts at once) the engines that answer go
+on alone, as fewer ranks, still with their variables. Where it cannot heal, the engines are
+replaced as before and the cell says why: TensorFlow (a ``MultiWorkerMirroredStrategy`` cannot
+change its cluster in place), sharded state (FSDP2: the dead rank's shards died with it), no
+survivor, or nothing to keep.
 """
 
 from __future__ import annotations
@@ -34,18 +38,39 @@ class Healed:
     sent: tuple[str, ...]
     unsent: dict[str, str]  # name -> what it is and why it could not be sent
     rewrapped: tuple[str, ...]  # DDP models, wrapped again on the next cell's group
+    replaced: bool = True  # new engines took the dead ranks (False: the survivors go on alone)
+    size: int = 0  # how many ranks the session has after it
+    rebuilt: tuple[str, ...] = ()  # TensorFlow: Keras models built again in the new scope
+    everyone: bool = False  # TensorFlow: every engine was replaced, not only the dead ones
 
     def text(self) -> str:
         which = ", ".join(map(str, self.ranks))
         rank = "rank" if len(self.ranks) == 1 else "ranks"
-        line = (
-            f"the session was healed: new engines took {rank} {which}, and every rank got rank "
-            f"{self.source}'s variables ({', '.join(self.sent) or 'none'})"
-        )
+        sent = f"rank {self.source}'s variables ({', '.join(self.sent) or 'none'})"
+        if self.everyone:
+            line = (
+                "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
+                f"cannot change its cluster in place, so new engines took all {self.size} ranks, "
+                f"and every rank got {sent}"
+            )
+        elif self.replaced:
+            line = f"the session was healed: new engines took {rank} {which}, and every rank got "
+            line += sent
+        else:
+            line = (
+                f"the session was healed on fewer ranks: no engine could be started for {rank} "
+                f"{which}, so the {self.size} that answer go on as ranks 0-{self.size - 1}, and "
+                f"every rank got {sent}"
+            )
         if self.rewrapped:
             line += (
                 f"; the next cell wraps {', '.join(self.rewrapped)} in "
                 "DistributedDataParallel again, on a new process group"
+            )
+        if self.rebuilt:
+            line += (
+                f"; the next cell builds {', '.join(self.rebuilt)} in its new strategy's scope "
+                "(architecture, weights and optimizer state, from a .keras save)"
             )
         if self.unsent:
             what = ", ".join(f"{n} ({why})" for n, why in sorted(self.unsent.items()))
@@ -59,14 +84,13 @@ def why_not(
     """Why the session cannot be healed after ``dead`` died (None: it can)."""
     if not variables:
         return "the workers held no variables"
-    if framework != "torch":
+    if framework not in ("torch", "tf"):
+        return "no framework's session to heal"
+    if framework == "tf" and not cluster.STARTS_ENGINES:
         return (
-            "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place"
-            if framework == "tf"
-            else "no framework's session to heal"
+            "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place, and "
+            "nbdist does not restart the engines of a connected cluster"
         )
-    if not hasattr(cluster, "replace_ranks"):
-        return "nbdist starts no engines on a connected cluster"
     if len(set(dead)) >= cluster.size:
         return "no rank survived"
     return None
@@ -80,7 +104,8 @@ def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
     """Rebuild the ranks ``dead`` from the lowest surviving rank (see the module's doc)."""
     dead = sorted(set(dead))
     survivors = [r for r in range(cluster.size) if r not in dead]
-    late = lambda r: TimeoutError(f"rank {r} did not answer")  # noqa: E731
+    if framework == "tf":
+        return _heal_tf(cluster, dead, survivors[0])
     split = cluster.apply_async(survivors[0], healing.sharded).get(HEAL_TIMEOUT_S)
     if split:
         lost = ", ".join(map(str, dead))
@@ -93,22 +118,50 @@ def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
         survivors,
         [cluster.apply_async(r, healing.leave_group, framework) for r in survivors],
         HEAL_TIMEOUT_S,
-        late=late,
+        late=_late,
     )
-    source = survivors[0]
     rewrap = left[0]
-    data, sent, unsent = cluster.apply_async(source, healing.snapshot).get(HEAL_TIMEOUT_S)
-    cluster.replace_ranks(dead)
+    data, sent, unsent = cluster.apply_async(survivors[0], healing.snapshot).get(HEAL_TIMEOUT_S)
+    source_id = cluster.engines[survivors[0]].engine_id
+    replaced = cluster.replace_ranks(dead)
+    # A connected cluster ranks its engines anew: the survivor may have another rank now.
+    source = [e.engine_id for e in cluster.engines].index(source_id)
     others = [r for r in range(cluster.size) if r != source]
     gather(
         others,
         [cluster.apply_async(r, healing.restore, data, rewrap) for r in others],
         HEAL_TIMEOUT_S,
-        late=late,
+        late=_late,
     )
     return Healed(
-        ranks=tuple(dead), source=source, sent=tuple(sent), unsent=dict(unsent),
-        rewrapped=tuple(sorted(rewrap)),
+        ranks=tuple(dead), source=survivors[0], sent=tuple(sent), unsent=dict(unsent),
+        rewrapped=tuple(sorted(rewrap)), replaced=replaced, size=cluster.size,
+    )  # fmt: skip
+
+
+def _late(rank: int) -> Exception:
+    return TimeoutError(f"rank {rank} did not answer")
+
+
+def _heal_tf(cluster: Any, dead: list[int], source: int) -> Healed:
+    """TensorFlow's best: a survivor's variables (Keras models saved whole) to new engines on
+    every rank, the models built at the next cell in the new strategy's scope."""
+    data, sent, unsent = cluster.apply_async(source, healing.keras_snapshot).get(HEAL_TIMEOUT_S)
+    lost = ", ".join(map(str, dead))
+    cluster.replace_engines(
+        why=f"rank {lost} died, and a MultiWorkerMirroredStrategy cannot change its cluster",
+        note=None,
+    )
+    ranks = list(range(cluster.size))
+    kept = gather(
+        ranks,
+        [cluster.apply_async(r, healing.keep_for_strategy, data) for r in ranks],
+        HEAL_TIMEOUT_S,
+        late=_late,
+    )
+    return Healed(
+        ranks=tuple(dead), source=source, sent=tuple(sent), unsent=dict(unsent), rewrapped=(),
+        size=cluster.size, rebuilt=tuple(kept[0]), everyone=True,
     )  # fmt: skip
 
 

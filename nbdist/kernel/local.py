@@ -69,6 +69,7 @@ class LocalCluster(RankedEngines):
     """
 
     source = LOCAL_SOURCE
+    STARTS_ENGINES = True
 
     def __init__(self, *, notify: Callable[[str], None] = log.info) -> None:
         super().__init__(notify=notify)
@@ -274,9 +275,10 @@ class LocalCluster(RankedEngines):
                 "stopped, and the next %%distrain (or %distrain start) starts a new one."
             ) from e
 
-    def replace_ranks(self, ranks: Sequence[int]) -> None:
+    def replace_ranks(self, ranks: Sequence[int]) -> bool:
         """New engines for the dead ``ranks``, each at its rank (its host, GPU and local
-        rank); the other engines, and their variables, stay (``nbdist.kernel.healing``)."""
+        rank); the other engines, and their variables, stay (``nbdist.kernel.healing``).
+        True: they were replaced (a local cluster always starts them)."""
         ranks = sorted(ranks)
         old = set(self._client.ids)
         for r in ranks:  # what is left of the dead (a zombie's threads, its loaders)
@@ -304,6 +306,7 @@ class LocalCluster(RankedEngines):
             [engines[r].cuda_index for r in ranks],
         )  # fmt: skip
         self._learned(engines)
+        return True
 
     def lose(self, ranks: Sequence[int], hosts: Sequence[str]) -> str:
         """The engines of ``ranks`` died, or had to be killed, during a job: every engine is

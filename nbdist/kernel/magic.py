@@ -249,8 +249,9 @@ SUBCOMMANDS = (
         lambda p: p.add_argument("mode", choices=("on", "off")),
     ),
     Subcommand(
-        "heal", "on|off", "torch: when a worker dies, a new engine takes its rank and every "
-        "rank gets a survivor's variables (off: the engines are replaced, the variables lost)",
+        "heal", "on|off", "when a worker dies, a new engine takes its rank and every rank gets "
+        "a survivor's variables (on by default; off: the engines are replaced, the variables "
+        "lost)",
         lambda p: p.add_argument("mode", choices=("on", "off")),
     ),
 )  # fmt: skip
@@ -531,9 +532,9 @@ class DistrainMagics(Magics):
     def _heal(self, ns: argparse.Namespace) -> None:
         self.session.heal_lost = ns.mode == "on"
         print(
-            "nbdist: heal on: when a worker dies (torch, workers nbdist started), a new engine "
-            "takes its rank and every rank gets the lowest survivor's variables; DDP models are "
-            "wrapped again on a new group"
+            "nbdist: heal on: when a worker dies, a new engine takes its rank (on a connected "
+            "cluster without a launcher nbdist can use, the others go on alone) and every rank "
+            "gets the lowest survivor's variables; DDP models are wrapped again on a new group"
             if self.session.heal_lost
             else "nbdist: heal off: a worker that dies takes the session's variables with it"
         )

@@ -72,7 +72,7 @@ class Session:
         self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
         self.healed: healing.Healed | None = None  # the last healing after a lost worker
-        self.heal_lost = False  # %distrain heal on: rebuild a lost rank from a survivor
+        self.heal_lost = True  # %distrain heal off: a lost rank takes the variables with it
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
         self.curve_key: str | None = None  # the model they trained (Recorder.model's key)
@@ -261,19 +261,21 @@ class Session:
         gone: str | None = None,
         notify: Any = None,
     ) -> healing.Healed | None:
-        """With ``%distrain heal on``: rebuild the dead ranks from a survivor, the variables
-        kept (``nbdist.kernel.healing``); None where it cannot, or is off (the engines are then
+        """Rebuild the dead ranks from a survivor, the variables kept (``nbdist.kernel
+        .healing``); None where it cannot, or ``%distrain heal off`` (the engines are then
         replaced as before). ``framework`` and ``variables`` default to the session's (a cell
         that lost ranks passes its own); ``notify`` to the session's."""
         if not self.heal_lost:
             return None
         framework = framework or self.framework
         held = bool(self.variables) if variables is None else variables
+        changes = len(self._changes)
         healed = healing.try_heal(
             self.cluster, framework, dead, variables=held, notify=notify or self.notify,
             gone=gone,
         )  # fmt: skip
         if healed is not None:
+            del self._changes[changes:]  # engines a TensorFlow healing replaced: nothing lost
             self.warm.clear()  # the new engines import the framework at the next cell
             self.rendezvous.pop(framework, None)  # the next cell makes a new group
             self.healed = healed

@@ -368,6 +368,11 @@ def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
     profile, procs = elsewhere
     shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
     try:
+        shell.run_cell_magic(
+            "distrain", "--framework torch --no-plot",
+            "model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nsteps = 0\n",
+        )  # fmt: skip
         victim = next(e for e in magics.cluster.engines if e.address == "127.0.0.3")
         cell = (
             f"import os, time\nif rank == {victim.rank}:\n    os.kill(os.getpid(), 9)\n"
@@ -376,15 +381,28 @@ def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
         start = time.monotonic()
         with pytest.raises(WorkerDied) as info:
             shell.run_cell_magic("distrain", "--framework torch", cell)
-        assert str(info.value).startswith(
+        message = str(info.value)
+        assert message.startswith(
             f"rank {victim.rank} (host {victim.host}, pid {victim.pid}) stopped answering during "
             "the job: the controller lost its heartbeat (died, or vm unreachable)"
         )
+        # Engines started by hand: no launcher to ask for a new one. The survivor heals alone.
+        assert message.splitlines()[-1] == (
+            f"The session was healed on fewer ranks: no engine could be started for rank "
+            f"{victim.rank}, so the 1 that answer go on as ranks 0-0, and every rank got rank "
+            f"{1 - victim.rank}'s variables (model, opt, steps); the next cell wraps model in "
+            "DistributedDataParallel again, on a new process group."
+        ), message
         assert time.monotonic() - start < 30
-        # nbdist restarts nothing it did not start: the engine that answers goes on, ranked 0.
+        # nbdist restarts nothing it did not start: the engine that answers goes on, ranked 0,
+        # with its variables.
         survivor = next(e for e in magics.cluster.engines if e.pid != victim.pid)
         assert [e.pid for e in magics.cluster.engines] == [survivor.pid]
-        shell.run_cell_magic("distrain", "--framework torch -o res", "(rank, world_size)")
-        assert shell.user_ns["res"].values == [(0, 1)]
+        shell.run_cell_magic(
+            "distrain", "--framework torch --no-plot -o res",
+            "for _ in range(3):\n    opt.zero_grad()\n    model(torch.ones(2, 4)).sum().backward()"
+            "\n    opt.step()\n    steps += 1\n(rank, world_size, steps, type(model).__name__)",
+        )  # fmt: skip
+        assert shell.user_ns["res"].values == [(0, 1, 3, "DistributedDataParallel")]
     finally:
         shell.run_line_magic("distrain", "stop")

@@ -51,8 +51,17 @@ def test_exit_ends_the_cell_and_keeps_the_workers(fresh_session, magics, capsys,
     assert magics.session.variables == ["kept"]
 
 
-def test_an_engine_killed_between_cells_is_named_and_replaced(fresh_session, magics, capsys):
-    sh = fresh_session
+@pytest.fixture
+def heal_off(fresh_session):
+    """``%distrain heal off``: a dead rank's engines are replaced and the variables lost (the
+    healing itself is tests/integration/test_healing.py's)."""
+    fresh_session.run_line_magic("distrain", "heal off")
+    yield fresh_session
+    fresh_session.run_line_magic("distrain", "heal on")
+
+
+def test_an_engine_killed_between_cells_is_named_and_replaced(heal_off, magics, capsys):
+    sh = heal_off
     sh.run_cell_magic("distrain", "", "kept = rank\n")
     victim = magics.cluster.engines[1]
     os.kill(victim.pid, signal.SIGKILL)

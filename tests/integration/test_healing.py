@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -60,10 +61,9 @@ def _replicas_equal(sh):
 
 @pytest.fixture
 def healing(fresh_session, magics):
-    """Two warm, empty torch workers with %distrain heal on (off again after the test)."""
-    fresh_session.run_line_magic("distrain", "heal on")
-    yield fresh_session
-    fresh_session.run_line_magic("distrain", "heal off")
+    """Two warm, empty torch workers; healing is on, as by default."""
+    assert magics.session.heal_lost
+    return fresh_session
 
 
 def test_a_rank_killed_between_cells_is_healed(healing, magics, capsys):
@@ -111,8 +111,6 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     def kill_when_training():
         time.sleep(1.5)
         _kill(victim)
-
-    import threading
 
     killer = threading.Thread(target=kill_when_training)
     killer.start()
@@ -235,3 +233,81 @@ def test_ten_cycles_of_kill_heal_train_leak_nothing(healing, magics):
     _replicas_equal(sh)
     assert len(set(counts)) == 1, counts
     assert rss[-1] - rss[1] < 40, rss  # MB; cycle 0 warms the snapshot's buffers up
+
+
+TF_BUILD = """
+import numpy as np
+import keras
+with strategy.scope():
+    net = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
+    net.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1))).astype("float32")
+ds = strategy.experimental_distribute_dataset(
+    __import__("tensorflow").data.Dataset.from_tensor_slices((x, y)).batch(64)
+)
+epochs = 0
+"""
+TF_FIT = """
+net.fit(x, y, batch_size=64, epochs=2, verbose=0)
+epochs += 2
+(epochs, [float(w.sum()) for w in net.get_weights()], int(net.optimizer.iterations.numpy()))
+"""
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope(
+    fresh_session, magics, capsys
+):
+    """A MultiWorkerMirroredStrategy cannot change its cluster: every engine is replaced, and
+    each gets rank 0's variables, its Keras model rebuilt in the new strategy's scope with its
+    weights and optimizer state; the dataset of the old strategy is named, not sent."""
+    sh = fresh_session
+
+    def values(cell):
+        sh.run_cell_magic("distrain", "--no-plot -o res", cell)
+        return sh.user_ns["res"].values
+
+    sh.run_cell_magic("distrain", "--framework tf --no-plot", TF_BUILD)
+    before = values(TF_FIT)
+    assert before[0] == before[1] and before[0][2] == 8, before  # 2 epochs of 4 batches
+    weights = values("[w.tolist() for w in net.get_weights()]")
+    old = [e.pid for e in magics.cluster.engines]
+    _kill(old[1])
+    capsys.readouterr()
+    after = values("[w.tolist() for w in net.get_weights()]")
+    said = capsys.readouterr().out
+    assert (
+        "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
+        "cannot change its cluster in place, so new engines took all 2 ranks, and every rank got "
+        "rank 0's variables (epochs, net, rng, x, y); the next cell builds net in its new "
+        "strategy's scope (architecture, weights and optimizer state, from a .keras save). Not "
+        "sent, re-run the cells that make them: ds (DistributedDataset: TensorFlow object of the "
+        "old strategy)." in said
+    ), said
+    assert not set(old) & {e.pid for e in magics.cluster.engines}
+    assert after == [weights[0], weights[0]]  # rank 0's weights, on both new engines
+    trained = values(TF_FIT)
+    assert trained[0] == trained[1], trained  # trained in sync in the new strategy
+    assert trained[0][0] == 4 and trained[0][2] == 16, trained  # the optimizer's steps go on
+
+    # In the middle of a fit: the survivor's collective fails at its timeout, then the same.
+    victim = magics.cluster.engines[1].pid
+    killer = threading.Timer(2.0, _kill, (victim,))
+    killer.start()
+    with pytest.raises(WorkerDied) as info:
+        values("import time\nfor _ in range(200):\n    net.fit(x, y, batch_size=64, verbose=0)\n"
+               "    epochs += 1\n    time.sleep(0.05)\n")  # fmt: skip
+    killer.join()
+    assert f"pid {victim}" in str(info.value), info.value
+    assert (
+        str(info.value)
+        .splitlines()[-1]
+        .startswith("The session was healed as far as TensorFlow allows")
+    ), info.value
+    trained = values(TF_FIT)
+    assert trained[0] == trained[1] and trained[0][0] > 6, trained

@@ -274,16 +274,21 @@ def test_timeout_stops_a_hung_rank(ready, magics):
 
 
 def test_worker_that_dies_is_reported_and_replaced(ready, magics):
+    """With ``%distrain heal off`` (healing: tests/integration/test_healing.py)."""
     old = [e.pid for e in magics.cluster.engines]
     start = time.monotonic()
     ready.run_cell_magic("distrain", "", "kept_until_now = rank\n")
     cell = "import os, time\nif rank == 1:\n    os._exit(3)\ndist.barrier()\n"
-    with pytest.raises(
-        WorkerDied,
-        match=r"rank 1 \(host .*, pid \d+\) died during the job: rank 1 exited with status 3 "
-        r"\(os._exit\(\), or a native library.s exit\(\)\)",
-    ) as info:
-        ready.run_cell_magic("distrain", "", cell)
+    ready.run_line_magic("distrain", "heal off")
+    try:
+        with pytest.raises(
+            WorkerDied,
+            match=r"rank 1 \(host .*, pid \d+\) died during the job: rank 1 exited with status 3 "
+            r"\(os._exit\(\), or a native library.s exit\(\)\)",
+        ) as info:
+            ready.run_cell_magic("distrain", "", cell)
+    finally:
+        ready.run_line_magic("distrain", "heal on")
     assert "The engines were replaced, and the workers' variables (" in str(info.value)
     assert "kept_until_now" in str(info.value).splitlines()[-1]
     assert time.monotonic() - start < 30

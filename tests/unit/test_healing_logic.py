@@ -7,24 +7,23 @@ from nbdist.kernel.healing import Healed, why_not
 
 class _Local:
     size = 4
-
-    def replace_ranks(self, ranks):  # a local cluster can start engines at given ranks
-        raise AssertionError("not called here")
+    STARTS_ENGINES = True
 
 
 class _Connected:
     size = 4
+    STARTS_ENGINES = False
 
 
 def test_what_can_be_healed():
     assert why_not(_Local(), "torch", [1], variables=True) is None
     assert why_not(_Local(), "torch", [1], variables=False) == "the workers held no variables"
-    assert why_not(_Local(), "tf", [1], variables=True) == (
-        "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place"
+    assert why_not(_Local(), "tf", [1], variables=True) is None  # every engine replaced
+    assert why_not(_Connected(), "tf", [1], variables=True) == (
+        "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place, and "
+        "nbdist does not restart the engines of a connected cluster"
     )
-    assert why_not(_Connected(), "torch", [1], variables=True) == (
-        "nbdist starts no engines on a connected cluster"
-    )
+    assert why_not(_Connected(), "torch", [1], variables=True) is None  # shrinks, at worst
     assert why_not(_Local(), "torch", [0, 1, 2, 3], variables=True) == "no rank survived"
 
 
@@ -38,4 +37,28 @@ def test_what_a_healing_says():
         "variables (model, opt); the next cell wraps model in DistributedDataParallel again, on "
         "a new process group. Not sent, re-run the cells that make them: it (generator: "
         "TypeError)."
+    )
+
+
+def test_what_a_healing_on_fewer_ranks_says():
+    healed = Healed(
+        ranks=(0,), source=1, sent=("model",), unsent={}, rewrapped=(), replaced=False, size=2
+    )
+    assert healed.text() == (
+        "the session was healed on fewer ranks: no engine could be started for rank 0, so the 2 "
+        "that answer go on as ranks 0-1, and every rank got rank 1's variables (model)."
+    )
+
+
+def test_what_a_tensorflow_healing_says():
+    healed = Healed(
+        ranks=(1,), source=0, sent=("epochs", "model"), unsent={"ds": "DatasetV2: TensorFlow "
+        "object of the old strategy"}, rewrapped=(), size=2, rebuilt=("model",), everyone=True,
+    )  # fmt: skip
+    assert healed.text() == (
+        "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
+        "cannot change its cluster in place, so new engines took all 2 ranks, and every rank got "
+        "rank 0's variables (epochs, model); the next cell builds model in its new strategy's "
+        "scope (architecture, weights and optimizer state, from a .keras save). Not sent, re-run "
+        "the cells that make them: ds (DatasetV2: TensorFlow object of the old strategy)."
     )

@@ -1,0 +1,140 @@
+"""Healing a connected cluster: ``ipcluster start`` (ipyparallel's local launcher, its cluster
+file in the profile) runs three engines nbdist did not start; ``%distrain connect`` attaches.
+A rank killed in the middle of a DDP training cell is replaced by an engine the cluster's own
+launcher starts, and gets a survivor's variables; the next cell trains on with every replica
+equal. (A cluster whose engines were started by hand has no launcher to ask: the survivors go
+on alone, see test_connect.py's last test.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from nbdist import WorkerDied
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch]
+
+CLUSTER_ID = "nbdist-heal"
+BUILD = """
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+                                                          nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(128, 16, generator=g)
+Y = X.sum(1, keepdim=True)
+done = 0
+"""
+TRAIN = """
+import time
+for step in range(STEPS):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(X), Y).backward()
+    opt.step()
+    done += 1
+    time.sleep(PAUSE)
+(done, world_size)
+"""
+
+
+def _ipcluster(profile, *args):
+    return [
+        sys.executable, "-m", "ipyparallel.cluster", *args, f"--profile-dir={profile}",
+        f"--cluster-id={CLUSTER_ID}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``ipcluster start -n 3`` in a profile of its own; ``ipcluster stop`` at the end, and
+    no engine left (the one the launcher started for nbdist included)."""
+    profile = tmp_path_factory.mktemp("profile_launched")
+    # A lost engine is noticed after 3 s of missed heartbeats, not ipyparallel's 30.
+    (profile / "ipcontroller_config.py").write_text(
+        "c.IPController.ip = '127.0.0.1'\n"
+        "c.HeartMonitor.period = 500\n"
+        "c.HeartMonitor.max_heartmonitor_misses = 6\n"
+    )
+    log = open(profile / "ipcluster.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        _ipcluster(profile, "start", "-n", "3"), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    cluster_file = profile / "security" / f"cluster-{CLUSTER_ID}.json"
+    deadline = time.monotonic() + 60
+    while not cluster_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            profile / "ipcluster.log"
+        ).read_text()
+        time.sleep(0.2)
+    try:
+        yield profile
+    finally:
+        subprocess.run(_ipcluster(profile, "stop"), timeout=60, capture_output=True)
+        proc.wait(60)
+        log.close()
+        engines = [
+            p for p in psutil.process_iter(["cmdline"])
+            if str(profile) in " ".join(p.info["cmdline"] or [])
+        ]  # fmt: skip
+        _, alive = psutil.wait_procs(engines, timeout=15)
+        assert not alive, [p.info["cmdline"] for p in alive]
+
+
+def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
+    shell, launched, magics, capsys
+):
+    sh = shell
+    sh.run_line_magic(
+        "distrain", f"connect --profile-dir {launched} --cluster-id {CLUSTER_ID} --timeout 60 -n 3"
+    )
+    try:
+        sh.run_cell_magic("distrain", "--framework torch --no-plot", BUILD)
+        sh.user_ns.update(STEPS=3, PAUSE=0.0)
+        sh.run_cell_magic("distrain", "--no-plot -o res --push STEPS,PAUSE", TRAIN)
+        assert sh.user_ns["res"].values == [(3, 3)] * 3
+        victim = magics.cluster.engines[1]
+        before = {e.pid for e in magics.cluster.engines}
+        killer = threading.Timer(2.0, os.kill, (victim.pid, signal.SIGKILL))
+        killer.start()
+        sh.user_ns.update(STEPS=1000, PAUSE=0.05)
+        capsys.readouterr()
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            sh.run_cell_magic("distrain", "--no-plot --push STEPS,PAUSE", TRAIN)
+        took = time.monotonic() - start
+        killer.join()
+        message = str(info.value)
+        assert message.startswith(
+            f"rank 1 (host {victim.host}, pid {victim.pid}) stopped answering during the job"
+        ), message
+        assert message.splitlines()[-1].startswith(
+            "The session was healed: new engines took rank 1, and every rank got rank 0's "
+            "variables (PAUSE, STEPS, X, Y, done, g, model, opt, step); the next cell wraps "
+            "model in DistributedDataParallel again, on a new process group."
+        ), message
+        said = capsys.readouterr()
+        assert (
+            "nbdist: the cluster's launcher (LocalEngineSetLauncher) started 1 new engine\n"
+            in said.out
+        ), said
+        assert "Engine 0 not running" not in said.out + said.err, said  # ipyparallel's log
+        assert took < 2 + 30, took  # heartbeat (3 s), the collective's timeout, a new engine
+        now = [e.pid for e in magics.cluster.engines]
+        assert len(now) == 3 and len(set(now) - before) == 1 and victim.pid not in now
+        sh.user_ns.update(STEPS=2, PAUSE=0.0)
+        sh.run_cell_magic("distrain", "--no-plot -o res --push STEPS,PAUSE", TRAIN)
+        done = sh.user_ns["res"].values
+        assert len(set(done)) == 1 and done[0][1] == 3, done
+        for name in ("model", "opt"):
+            same = sh.run_line_magic("distrain", f"compare {name}")
+            assert same.identical, (name, same)
+    finally:
+        sh.run_line_magic("distrain", "stop")
