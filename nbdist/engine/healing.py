@@ -36,7 +36,9 @@ SLOT = "healing"
 
 def leave_group(framework: str) -> dict[str, dict[str, Any]]:
     """Unwrap this rank's DDP models and destroy its part of the broken group; the variables
-    stay. Returns the names that were DDP models, each with the constructor arguments kept."""
+    stay. Returns the names that were DDP models, each with the constructor arguments kept.
+    (Also how a rank that finished frees a peer blocked in a collective, when a rank died and
+    the session will be healed: destroying the group closes its connections.)"""
     import gc
 
     from nbdist.engine import backends
@@ -52,7 +54,9 @@ def leave_group(framework: str) -> dict[str, dict[str, Any]]:
         model = None
     gc.collect()  # the DDP objects (and their reducers) held the group
     backends.load(framework).recover(engine_state())
-    engine_state().slot(SLOT)["rewrap"] = wrapped
+    # A second leave (a rank released to free its peers, then the healing) keeps the first's.
+    slot = engine_state().slot(SLOT)
+    slot["rewrap"] = wrapped = {**slot.get("rewrap", {}), **wrapped}
     return wrapped
 
 

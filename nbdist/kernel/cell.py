@@ -209,7 +209,7 @@ class Cell:
         self.job = Job(
             self.cluster, plan.specs, opts=opts, live=live_view, out=session.out,
             err=session.err, world=plan.world, left_out=plan.left_out,
-            display=session.display if session.live_progress else None,
+            display=session.display if session.live_progress else None, heal=session.heal_lost,
         )  # fmt: skip
         return self.job
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine import backends, worker
+from nbdist.engine import backends, healing, worker
 from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
@@ -120,8 +120,12 @@ class Job:
         world: int,
         left_out: Sequence[RankSpec] = (),
         display: Any = None,
+        heal: bool = False,
     ) -> None:
         self.cluster = cluster
+        # A rank died and the session will be healed: a rank released to free its peers leaves
+        # the group with its variables kept (``healing.leave_group``), not dropped.
+        self.heal = heal
         self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
         self.specs = list(specs)
         self.ranks = [s.rank for s in specs]
@@ -447,8 +451,9 @@ class Job:
         for r in ranks:
             if r in self._release or r in dead or r >= self.cluster.size:
                 continue
+            release = healing.leave_group if self.heal and dead else worker.drop_session
             try:
-                self._release[r] = self.cluster.apply_async(r, worker.drop_session, self.framework)
+                self._release[r] = self.cluster.apply_async(r, release, self.framework)
             except Exception:  # an engine the hub has dropped (it died): nothing to free
                 log.debug("rank %d cannot be released", r, exc_info=True)
 
