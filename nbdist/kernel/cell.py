@@ -44,7 +44,7 @@ from nbdist.engine.profiling import SKIP_STEPS
 from nbdist.errors import DistrainError, JobInterrupted, WorkerError
 from nbdist.kernel import breakdown, failures, prepare
 from nbdist.kernel.checks import calls
-from nbdist.kernel.display import LiveView
+from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
 from nbdist.kernel.figure import png_data
 from nbdist.kernel.job import Job, Outcome, states
@@ -316,7 +316,8 @@ class Cell:
         segment = live_view.agg.segment()
         if segment is not None:
             session.curve = [*session.curve, segment] if live_view.continued else [segment]
-            session.curve_key = live_view.key
+            # A healing in this cell made its models new objects: the next cell's curve goes on.
+            session.curve_key = HEALED if outcome.healed is not None else live_view.key
         show_displays(outcome.ars, outcome.ranks, session.publish)
         profile = self._profile(outcome) if opts.profile else None
         cluster = self.cluster

@@ -285,6 +285,10 @@ class Dashboard:
             w.close()
 
 
+# The earlier curves' model key after a healing (see LiveView's ``earlier_key``).
+HEALED = "healed"
+
+
 class LiveView:
     """What a run shows: the live panel once points have come for ``REDRAW_S`` (unless
     ``plot=False``), and at the end the static figure and a one-line summary.
@@ -315,6 +319,8 @@ class LiveView:
         Which model the earlier curves trained (``Recorder.model``'s key). A cell that turns
         out to train another one (a different model object, or another framework) starts a
         curve of its own: the earlier ones are left out of its figure and step numbers.
+        ``HEALED``: the session was healed since, and its models are new objects (a DDP
+        wrapped again, a Keras model rebuilt) of the same state: whatever it trains continues.
     hosts : sequence of str or None
         Each rank's host, for the table grouped by host beyond ``MANY_RANKS`` ranks.
     graceful : bool
@@ -380,7 +386,7 @@ class LiveView:
         if self.key is not None:
             return
         self.key = key
-        if self.agg.earlier and key != self.earlier_key:
+        if self.agg.earlier and key != self.earlier_key and self.earlier_key != HEALED:
             total, self.agg = self.agg.total_steps, Aggregate(self.agg.world, start=self.agg.start)
             self.agg.total_steps = total
             if self.figure is not None:

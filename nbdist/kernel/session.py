@@ -28,7 +28,7 @@ from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.connected import ConnectedCluster
 from nbdist.kernel.curves import Segment
-from nbdist.kernel.display import LiveView
+from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.engines import DEAD_ADVICE, HEAL_ADVICE
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.local import LocalCluster, default_workers
@@ -276,6 +276,8 @@ class Session:
         )  # fmt: skip
         if healed is not None:
             del self._changes[changes:]  # engines a TensorFlow healing replaced: nothing lost
+            if self.curve:  # the healed models are new objects: the next cell's curve goes on
+                self.curve_key = HEALED
             self.warm.clear()  # the new engines import the framework at the next cell
             self.rendezvous.pop(framework, None)  # the next cell makes a new group
             self.healed = healed

@@ -126,9 +126,18 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
         "The session was healed: new engines took rank 1, and every rank got rank 0's variables ("
     ), message
     assert took < 1.5 + 15, took
-    done, _, kind = _train(sh, 4)
+    done, _, kind = _train(sh, 4, flags="")
     assert kind == "DistributedDataParallel"
     _replicas_equal(sh)
+    _curve_goes_on(magics, cells=3)
+
+
+def _curve_goes_on(magics, *, cells):
+    """The session's loss curve: one segment per training cell, each starting at the step after
+    the one before ended (a healed model is a new object of the same state)."""
+    spans = [(seg.steps[0], seg.steps[-1]) for seg in magics.session.curve]
+    assert len(spans) == cells, spans
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:], strict=False)), spans
 
 
 def test_a_rank_the_out_of_memory_killer_took_is_named_so_and_healed(healing, magics):
@@ -321,3 +330,4 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     ), info.value
     trained = values(TF_FIT)
     assert trained[0] == trained[1] and trained[0][0] > 6, trained
+    _curve_goes_on(magics, cells=4)  # the fits before, after, during and after the kill
