@@ -36,3 +36,20 @@ def no_process_left(*, spare: int | None = None) -> Iterator[None]:
     new = [p for pid, p in _children().items() if pid not in before and pid not in theirs]
     _, alive = psutil.wait_procs(new, timeout=10)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def gone_or_zombie(pid: int, timeout: float = 10.0) -> bool:
+    """Wait until process ``pid`` is gone, or a zombie (dead, not yet reaped by its parent);
+    whether it was within ``timeout`` seconds. A process reaped between two looks is gone."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

@@ -182,9 +182,10 @@ def rewrap(namespace: dict[str, Any], names: dict[str, Any] | None = None) -> li
         return []
     from torch.nn.parallel import DistributedDataParallel
 
-    for name in sorted(wrapped):
+    names = sorted(n for n in wrapped if n in namespace)  # dropped since: nothing to wrap
+    for name in names:
         namespace[name] = DistributedDataParallel(namespace[name], **wrapped[name])
-    return sorted(wrapped)
+    return names
 
 
 def _load_keras(namespace: dict[str, Any], models: dict[str, bytes], names: dict[str, Any]):

@@ -252,6 +252,7 @@ def drop_session(framework: str) -> list[str]:
     """
     with sigint_ignored():
         dropped = clear(session_namespace())
+        engine_state().slot(healing.SLOT).clear()  # nothing left for a healing to wrap again
         free_memory()
         backends.load(framework).recover(engine_state())
     return dropped

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from nbdist.engine import worker
 from nbdist.errors import ClusterError
 from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo, RankedEngines, settle_addresses
+from nbdist.kernel.runfiles import kill_tree, started
 from nbdist.protocol import EngineReport
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,9 @@ class ConnectedCluster(RankedEngines):
         # How %distrain connect named the cluster (profile, cluster id, folder, file): the
         # messages say how to restart it in the same words.
         self.connected_with: dict[str, str | None] = {}
-        # The ipyparallel Clusters that started engines to heal a session: kept, so that their
-        # launchers still watch (and reap) what they started; the engines outlive a disconnect.
-        self._relaunchers: list[object] = []
+        # The engines nbdist had the cluster's launcher start to heal a session (an ipyparallel
+        # Cluster of its own, and the engine set's id): nbdist stops them when it disconnects.
+        self._relaunched: list[tuple[Any, str]] = []
 
     def connect(
         self,
@@ -91,12 +93,24 @@ class ConnectedCluster(RankedEngines):
             ) from None
 
     def stop(self, note: str | None = "the workers were stopped") -> None:
-        """Disconnect: the engines keep running."""
+        """Disconnect: the engines keep running, except those nbdist started to heal a session
+        (nobody else knows of them: ``ipcluster stop`` would leave them)."""
         client, self._client = self._client, None
         self._forget_engines(note)
         if client is not None:
             client.close()
         self.stale = None
+        relaunched, self._relaunched = self._relaunched, []
+        for cluster, engine_set in relaunched:
+            # An engine that ran a collective may ignore the launcher's SIGTERM: the engine and
+            # its nanny are killed first, then the launcher reaps them.
+            for launcher in list(cluster.engines[engine_set].launchers.values()):
+                if launcher.pid:
+                    kill_tree((launcher.pid, started(launcher.pid) or 0.0))
+            try:
+                cluster.stop_engines_sync(engine_set)
+            except Exception:  # noqa: BLE001 - gone already
+                log.debug("could not stop engine set %s", engine_set, exc_info=True)
 
     def restart_text(self) -> str:
         """What to type to restart the engines and connect again, in the words the user
@@ -209,15 +223,16 @@ class ConnectedCluster(RankedEngines):
         try:
             from ipyparallel import Cluster
 
-            cluster = Cluster.from_dict(
-                data, profile_dir=str(profile_folder(**kwargs)),
-                cluster_id=with_.get("cluster_id") or "",
-                log=_launcher_log,  # not its own, which prints to stdout
+            # A Cluster of nbdist's own, with the launcher (and the profile's configuration of
+            # it) that ipcluster used, and no cluster file: ipcluster's stays as it wrote it.
+            cluster = Cluster(
+                profile_dir=str(profile_folder(**kwargs)),
+                cluster_id=with_.get("cluster_id") or "", engine_launcher_class=launcher,
+                cluster_file="", log=_launcher_log,  # not its own log, which prints to stdout
             )  # fmt: skip
             launcher = cluster.engine_launcher_class.__name__
             old = set(self._client.ids)
-            cluster.start_engines_sync(n)
-            self._relaunchers.append(cluster)
+            self._relaunched.append((cluster, cluster.start_engines_sync(n)))
         except Exception as e:  # noqa: BLE001 - said, and the survivors go on
             self._notify(
                 f"nbdist: the cluster's launcher ({launcher}) could not start engines: {e}"
@@ -229,7 +244,8 @@ class ConnectedCluster(RankedEngines):
             if len(new) >= n:
                 self._notify(
                     f"nbdist: the cluster's launcher ({launcher}) started {n} new "
-                    f"engine{'s' if n > 1 else ''}"
+                    f"engine{'s' if n > 1 else ''} (nbdist stops "
+                    f"{'them' if n > 1 else 'it'} when it disconnects)"
                 )
                 return new[:n]
             time.sleep(0.1)

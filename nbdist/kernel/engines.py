@@ -217,7 +217,7 @@ DEAD_ADVICE = (
     "The next %%distrain cell replaces the workers (their variables are lost); "
     "%distrain restart does it now."
 )
-HEAL_ADVICE = (  # with %distrain heal on (torch, a local cluster)
+HEAL_ADVICE = (  # healing on (the default), and a session it can heal
     "The next %%distrain cell heals the session (new engines get a survivor's variables); "
     "%distrain restart starts over."
 )

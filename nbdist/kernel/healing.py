@@ -9,12 +9,17 @@ is named. It is automatic (``%distrain heal off`` turns it off): after a cell in
 died, or before the next cell when a rank died between cells.
 
 Where the new engines come from: a local cluster starts them itself; a connected cluster asks
-the launcher ``ipcluster start`` used (its cluster file names it), and where there is none (engines
-started by hand, an SSH launcher, which starts all its hosts at once) the engines that answer go
-on alone, as fewer ranks, still with their variables. Where it cannot heal, the engines are
-replaced as before and the cell says why: TensorFlow (a ``MultiWorkerMirroredStrategy`` cannot
-change its cluster in place), sharded state (FSDP2: the dead rank's shards died with it), no
-survivor, or nothing to keep.
+the launcher ``ipcluster start`` used (its cluster file names it), and where there is none
+(engines started by hand, an SSH launcher, which starts all its hosts at once) the engines that
+answer go on alone, as fewer ranks, still with their variables.
+
+TensorFlow: a ``MultiWorkerMirroredStrategy`` cannot change its cluster in place, so every
+engine is replaced, and each gets a survivor's variables, its Keras models saved whole and
+built again in the next cell's new strategy's scope (``_heal_tf``).
+
+Where it cannot heal, the engines are replaced as before and the cell says why: sharded state
+(FSDP2: the dead rank's shards died with it), TensorFlow on a connected cluster (only its owner
+can restart every engine), no survivor, or nothing to keep.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.engine import backends, healing, worker
-from nbdist.errors import RankFailure
+from nbdist.errors import RankFailure, lost_peer
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream, Rounds
@@ -140,6 +140,7 @@ class Job:
         self.watch = Watch()
         self._joining: list[Any] = []
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
+        self._leaving: set[int] = set()  # ... released by leave_group instead (see _may_heal)
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
@@ -451,17 +452,35 @@ class Job:
         for r in ranks:
             if r in self._release or r in dead or r >= self.cluster.size:
                 continue
-            release = healing.leave_group if self.heal and dead else worker.drop_session
+            leave = self._may_heal(r, dead)
+            release = healing.leave_group if leave else worker.drop_session
             try:
                 self._release[r] = self.cluster.apply_async(r, release, self.framework)
             except Exception:  # an engine the hub has dropped (it died): nothing to free
                 log.debug("rank %d cannot be released", r, exc_info=True)
+                continue
+            if leave:
+                self._leaving.add(r)
+
+    def _may_heal(self, rank: int, dead: set[int]) -> bool:
+        """Whether a rank released to free its peers should keep its variables: healing is on,
+        and a rank died, or this one failed because a peer was gone (a rank seen dead only
+        later: a connected cluster's engine is dead once its heartbeats stop)."""
+        if not self.heal:
+            return False
+        if dead:
+            return True
+        p = self.ranks.index(rank) if rank in self.ranks else None
+        failure = _failure(self.ars[p]) if p is not None and self.ars[p].ready() else None
+        return failure is not None and lost_peer(failure)
 
     def _confirm_released(self, outcome: Outcome) -> None:
         deadline = time.monotonic() + RELEASED_WAIT_S
         still = {self.ranks[p] for p in outcome.watch.abandoned}
         for r, ar in self._release.items():
             if r in still:  # its drop runs when its cell ends: settle() leaves it queued
+                continue
+            if r in self._leaving:  # it kept its variables, and no rank died: settle drops them
                 continue
             try:
                 outcome.dropped.update(ar.get(max(0.0, deadline - time.monotonic())))

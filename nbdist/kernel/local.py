@@ -77,6 +77,7 @@ class LocalCluster(RankedEngines):
         self._reaper: Reaper | None = None  # the run record, and the process that watches it
         self._procs: dict[int, float] = {}  # engine pid -> its start: a tree kill checks both
         self._memory = MemoryWatch()  # to tell the out-of-memory killer from a kill -9
+        self._exit_codes: dict[int, int] = {}  # engine pid -> how it ended, once known
         self.network: PrivateNetwork | None = None
         # The workers' network: "private", "isolated" or "host" (%distrain start --network);
         # None: what $NBDIST_ENGINE_NETWORK says, else private.
@@ -361,9 +362,16 @@ class LocalCluster(RankedEngines):
         if self._cluster is None or rank >= self.size:
             return None
         pid = self.engines[rank].pid
+        if pid in self._exit_codes:
+            return self._exit_codes[pid]
         deadline = time.monotonic() + ZOMBIE_WAIT_S
         while True:
             code, running = self._exit_code(pid)
+            if code is not None:
+                # Kept: whoever reaped it first has the code, and this method may have been
+                # that one (ipyparallel's watcher then never learns it, and the next look here
+                # would find neither a process nor a code).
+                self._exit_codes[pid] = code
             if code is not None or running or time.monotonic() > deadline:
                 return code
             time.sleep(0.05)
@@ -435,6 +443,8 @@ class LocalCluster(RankedEngines):
 
     def _learned(self, engines: list[EngineInfo]) -> None:
         self._procs = {e.pid: started(e.pid) or 0.0 for e in engines}
+        for e in engines:  # a new engine may have an old one's PID
+            self._exit_codes.pop(e.pid, None)
         self.engines = engines
         self.note_memory()
         self._record_pids()

@@ -19,6 +19,7 @@ import pytest
 
 from nbdist import WorkerDied
 from tests.integration.test_healing import BUILD, TRAIN
+from tests.procs import gone_or_zombie
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -103,13 +104,15 @@ def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
         ), message
         said = capsys.readouterr()
         assert (
-            "nbdist: the cluster's launcher (LocalEngineSetLauncher) started 1 new engine\n"
-            in said.out
+            "nbdist: the cluster's launcher (LocalEngineSetLauncher) started 1 new engine (nbdist "
+            "stops it when it disconnects)\n" in said.out
         ), said
         assert "Engine 0 not running" not in said.out + said.err, said  # ipyparallel's log
         assert took < 2 + 30, took  # heartbeat (3 s), the collective's timeout, a new engine
         now = [e.pid for e in magics.cluster.engines]
         assert len(now) == 3 and len(set(now) - before) == 1 and victim.pid not in now
+        (started,) = set(now) - before
+        nanny = [c.pid for c in psutil.Process(started).children()]
         sh.user_ns.update(STEPS=2, PAUSE=0.0)
         sh.run_cell_magic("distrain", "--no-plot -o res --push STEPS,PAUSE", TRAIN)
         done = sh.user_ns["res"].values
@@ -119,3 +122,7 @@ def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
             assert same.identical, (name, same)
     finally:
         sh.run_line_magic("distrain", "stop")
+    # nbdist started that engine, and nobody else knows of it (ipcluster's cluster file does
+    # not list it): disconnecting stopped it, and its nanny; the engines ipcluster started run on.
+    assert nanny and all(gone_or_zombie(pid) for pid in [started, *nanny])
+    assert all(psutil.pid_exists(pid) for pid in before - {victim.pid})

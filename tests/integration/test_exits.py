@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 
 from nbdist import WorkerError
 from nbdist.errors import EXIT_NOTE
+from tests.procs import gone_or_zombie
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -65,10 +66,7 @@ def test_an_engine_killed_between_cells_is_named_and_replaced(heal_off, magics, 
     sh.run_cell_magic("distrain", "", "kept = rank\n")
     victim = magics.cluster.engines[1]
     os.kill(victim.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(victim.pid) and psutil.Process(victim.pid).status() != "zombie":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert gone_or_zombie(victim.pid)
     capsys.readouterr()
 
     sh.run_line_magic("distrain", "status")

@@ -14,6 +14,7 @@ import pytest
 
 from nbdist import WorkerDied
 from tests.cgroups import memory_cgroup
+from tests.procs import gone_or_zombie
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -47,10 +48,7 @@ def _train(sh, steps, pause=0.0, flags="--no-plot"):
 
 def _kill(pid):
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert gone_or_zombie(pid)
 
 
 def _replicas_equal(sh):
