@@ -22,7 +22,8 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,31 @@ def profile_folder(profile: str | None, profile_dir: str | None) -> Path:
     return Path(get_ipython_dir()) / f"profile_{profile or 'default'}"
 
 
+@contextmanager
+def _security_folder(profile: str | None, profile_dir: str | None) -> Iterator[tuple[Path, int]]:
+    """A profile's ``security`` folder and an open handle on it: the profile folder, then the
+    security folder relative to it, each checked private; the files in it are opened relative
+    to the handle."""
+    folder = profile_folder(profile, profile_dir)
+    profile_fd = _open_folder(folder, "profile folder")
+    try:
+        security_fd = _open_folder(
+            folder / "security", "profile's security folder", dir_fd=profile_fd
+        )
+        try:
+            yield folder / "security", security_fd
+        finally:
+            os.close(security_fd)
+    finally:
+        os.close(profile_fd)
+
+
+def _cluster_file(security: Path, security_fd: int, cluster_id: str | None) -> dict[str, Any]:
+    return _read_json(
+        security / f"cluster-{cluster_id or ''}.json", dir_fd=security_fd, what="cluster file"
+    )
+
+
 def read_profile(
     *, profile: str | None, profile_dir: str | None, cluster_id: str | None
 ) -> tuple[dict[str, Any], int | None]:
@@ -138,40 +164,27 @@ def read_profile(
     ``security`` folder and the file, each opened relative to the one before and checked), and
     how many engines ``ipcluster`` started for it, when its cluster file (read the same way)
     says."""
-    folder = profile_folder(profile, profile_dir)
-    security = folder / "security"
     name = f"ipcontroller-{cluster_id}-client.json" if cluster_id else "ipcontroller-client.json"
-    profile_fd = _open_folder(folder, "profile folder")
-    try:
-        security_fd = _open_folder(security, "profile's security folder", dir_fd=profile_fd)
+    with _security_folder(profile, profile_dir) as (security, security_fd):
+        info = read_connection(security / name, dir_fd=security_fd)
         try:
-            info = read_connection(security / name, dir_fd=security_fd)
-            try:
-                launched = _read_json(
-                    security / f"cluster-{cluster_id or ''}.json",
-                    dir_fd=security_fd,
-                    what="cluster file",
-                )
-                sets = launched.get("engines", {}).get("sets", {}).values()
-                # A set says its n (local launchers), or lists what it launched (SSH: one
-                # entry per engine, each with its own n).
-                expected = (
-                    sum(
-                        max(
-                            int(s.get("n") or 0),
-                            sum(int(e.get("n") or 1) for e in s.get("engines", {}).values()),
-                        )
-                        for s in sets
+            launched = _cluster_file(security, security_fd, cluster_id)
+            sets = launched.get("engines", {}).get("sets", {}).values()
+            # A set says its n (local launchers), or lists what it launched (SSH: one entry
+            # per engine, each with its own n).
+            expected = (
+                sum(
+                    max(
+                        int(s.get("n") or 0),
+                        sum(int(e.get("n") or 1) for e in s.get("engines", {}).values()),
                     )
-                    or None
+                    for s in sets
                 )
-            except (ClusterError, AttributeError, TypeError, ValueError):
-                expected = None  # engines started by hand, or by another launcher
-            return info, expected
-        finally:
-            os.close(security_fd)
-    finally:
-        os.close(profile_fd)
+                or None
+            )
+        except (ClusterError, AttributeError, TypeError, ValueError):
+            expected = None  # engines started by hand, or by another launcher
+        return info, expected
 
 
 def read_cluster_file(
@@ -180,23 +193,9 @@ def read_cluster_file(
     """The cluster file ``ipcluster start`` wrote for a profile (its launchers, what they
     started), read with the same checks as the connection file; None when there is none (a
     controller and engines started by hand)."""
-    folder = profile_folder(profile, profile_dir)
     try:
-        profile_fd = _open_folder(folder, "profile folder")
-        try:
-            security_fd = _open_folder(
-                folder / "security", "profile's security folder", dir_fd=profile_fd
-            )
-            try:
-                return _read_json(
-                    folder / "security" / f"cluster-{cluster_id or ''}.json",
-                    dir_fd=security_fd,
-                    what="cluster file",
-                )
-            finally:
-                os.close(security_fd)
-        finally:
-            os.close(profile_fd)
+        with _security_folder(profile, profile_dir) as (security, security_fd):
+            return _cluster_file(security, security_fd, cluster_id)
     except ClusterError:
         return None
 
