@@ -30,6 +30,7 @@ from typing import Any
 
 from nbdist.engine.namespace import session_namespace, user_variables
 from nbdist.engine.state import engine_state
+from nbdist.protocol import pickling_error
 
 SLOT = "healing"
 
@@ -92,8 +93,6 @@ def sharded() -> list[str]:
 def snapshot() -> tuple[bytes, list[str], dict[str, str]]:
     """This rank's variables as bytes (one ``torch.save``), the names in it, and the names
     that could not be sent with why (an open file, a generator, a data loader's iterator)."""
-    import pickle
-
     import torch
 
     values = user_variables(session_namespace())
@@ -103,9 +102,8 @@ def snapshot() -> tuple[bytes, list[str], dict[str, str]]:
         torch.save(values, buffer)
     except Exception:  # noqa: BLE001 - then find what cannot go, and send the rest
         for name, value in values.items():
-            try:
-                pickle.dumps(value)
-            except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
+            e = pickling_error(value)
+            if e is not None:
                 unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
         values = {n: v for n, v in values.items() if n not in unsent}
         buffer = io.BytesIO()

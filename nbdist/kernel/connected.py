@@ -12,7 +12,6 @@ user connected with.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,22 +237,20 @@ class ConnectedCluster(RankedEngines):
                 f"nbdist: the cluster's launcher ({launcher}) could not start engines: {e}"
             )
             return None
-        deadline = time.monotonic() + RELAUNCH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            new = sorted(set(self._client.ids) - old)
-            if len(new) >= n:
-                self._notify(
-                    f"nbdist: the cluster's launcher ({launcher}) started {n} new "
-                    f"engine{'s' if n > 1 else ''} (nbdist stops "
-                    f"{'them' if n > 1 else 'it'} when it disconnects)"
-                )
-                return new[:n]
-            time.sleep(0.1)
+        try:
+            new = self._registered(old, n, RELAUNCH_TIMEOUT_S)
+        except ClusterError:
+            self._notify(
+                f"nbdist: the engines the cluster's launcher ({launcher}) started did not "
+                f"register within {RELAUNCH_TIMEOUT_S:.0f} s"
+            )
+            return None
         self._notify(
-            f"nbdist: the engines the cluster's launcher ({launcher}) started did not register "
-            f"within {RELAUNCH_TIMEOUT_S:.0f} s"
+            f"nbdist: the cluster's launcher ({launcher}) started {n} new "
+            f"engine{'s' if n > 1 else ''} (nbdist stops {'them' if n > 1 else 'it'} when it "
+            "disconnects)"
         )
-        return None
+        return new
 
     def newcomers(self) -> list[int]:
         """Engines that registered after nbdist ranked the others (a launcher still starting

@@ -170,9 +170,12 @@ def status_text(
     busy: dict[int, int],
     warm: Iterable[str],
     dead: dict[int, str] | None = None,
+    advice: str | None = None,
 ) -> str:
     """``%distrain status``: the hosts, then one line per rank (beyond ``MANY_RANKS``
-    ranks, each host's busy and idle count instead, and the busy ranks)."""
+    ranks, each host's busy and idle count instead, and the busy ranks); ``advice``: what the
+    next cell does about dead ranks (``DEAD_ADVICE`` by default)."""
+    advice = advice or DEAD_ADVICE
     hosts = by_host(engines)
     grouped = len(engines) > MANY_RANKS
     lines = [
@@ -194,7 +197,7 @@ def status_text(
         running = [e.rank for e in engines if busy.get(e.rank)]
         lines.append(f"busy ranks: {spans(running) if running else 'none'}")
         if dead:
-            lines.append(f"dead ranks: {spans(sorted(dead))}. {DEAD_ADVICE}")
+            lines.append(f"dead ranks: {spans(sorted(dead))}. {advice}")
         if warm:
             lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
         return "\n".join(lines)
@@ -209,7 +212,7 @@ def status_text(
     if warm:
         lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
     if dead:
-        lines.append(DEAD_ADVICE)
+        lines.append(advice)
     return "\n".join(lines)
 
 
@@ -377,7 +380,7 @@ class RankedEngines:
     def connected_text(self) -> str:
         return connected_text(self.engines)
 
-    def status_text(self, warm: Iterable[str] = ()) -> str:
+    def status_text(self, warm: Iterable[str] = (), *, advice: str | None = None) -> str:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
         return status_text(
@@ -386,6 +389,7 @@ class RankedEngines:
             busy=self.busy(),
             warm=warm,
             dead=self.dead_reasons(),
+            advice=advice,
         )
 
     def _forget_engines(self, note: str | None = None) -> None:
@@ -402,12 +406,44 @@ class RankedEngines:
         ids = sorted(self._client.ids) if ids is None else ids
         infos = self._client[ids].apply_async(worker.engine_info, self._peer()).get(timeout=timeout)
         engines = rank_engines(ids, self._settle(infos))
-        ids = [e.engine_id for e in engines]
-        self._client[ids].map_sync(
-            worker.use_gpus, [e.visible for e in engines], [e.cuda_index for e in engines]
-        )
+        self._pin_gpus(engines)
         self._learned(engines)
         self.engines = engines
+
+    def _pin_gpus(self, engines: Sequence[EngineInfo]) -> None:
+        """Give each of ``engines`` the GPU its rank has (``worker.use_gpus``)."""
+        self._client[[e.engine_id for e in engines]].map_sync(
+            worker.use_gpus, [e.visible for e in engines], [e.cuda_index for e in engines]
+        )
+
+    def _registered(
+        self,
+        old: set[int],
+        n: int,
+        timeout: float,
+        *,
+        exited: Callable[[], str | None] = lambda: None,
+    ) -> list[int]:
+        """The ids of ``n`` engines registered after ``old``, once all are there; a
+        ClusterError when ``exited`` says one of them exited, or when they do not all come
+        within ``timeout`` seconds.
+
+        A killed engine stays listed for up to the heartbeat's 10 s: counting every id would let
+        a dead one plus a new one pass for two engines.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            new = sorted(set(self._client.ids) - old)
+            if len(new) >= n:
+                return new[:n]
+            why = exited()
+            if why is not None:
+                raise ClusterError(why)
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(new)} of {n} new engines registered within {timeout:g} s"
+                )
+            time.sleep(0.05)
 
     def _peer(self) -> str:
         """The controller's address as the engines should look for it."""

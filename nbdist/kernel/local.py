@@ -302,10 +302,7 @@ class LocalCluster(RankedEngines):
         engines = list(self.engines)
         for r, engine_id, info in zip(ranks, ids, infos, strict=True):
             engines[r] = replace(engines[r], engine_id=engine_id, pid=info.pid)
-        self._client[ids].map_sync(
-            worker.use_gpus, [engines[r].visible for r in ranks],
-            [engines[r].cuda_index for r in ranks],
-        )  # fmt: skip
+        self._pin_gpus([engines[r] for r in ranks])
         self._learned(engines)
         return True
 
@@ -470,27 +467,11 @@ class LocalCluster(RankedEngines):
         _private_logs(self._reaper.record.profile / "log")
 
     def _new_ids(self, old: set[int], n: int, *, started: Sequence[int] = ()) -> list[int]:
-        """The ids of ``n`` engines registered after ``old``, once all are there (``started``:
-        the launchers' pids from before these engines were started: not theirs, whatever
-        became of them).
-
-        A killed engine stays listed for up to the heartbeat's 10 s: counting every id would let
-        a dead one plus a new one pass for two engines.
-        """
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while True:
-            new = sorted(set(self._client.ids) - old)
-            if len(new) >= n:
-                return new[:n]
-            exited = self._exited_engine(started)
-            if exited is not None:
-                raise ClusterError(exited)
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"only {len(new)} of {n} new engines registered within "
-                    f"{ENGINE_START_TIMEOUT_S} s"
-                )
-            time.sleep(0.05)
+        """The ids of ``n`` engines registered after ``old`` (``started``: the launchers' pids
+        from before these engines were started: not theirs, whatever became of them)."""
+        return self._registered(
+            old, n, ENGINE_START_TIMEOUT_S, exited=lambda: self._exited_engine(started)
+        )
 
     def _exited_engine(self, started: Sequence[int] = ()) -> str | None:
         """An engine process of this cluster that exited while the others start, and the end

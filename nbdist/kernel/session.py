@@ -71,7 +71,6 @@ class Session:
         self.rendezvous: dict[str, Rendezvous] = {}  # each framework's live one
         self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
-        self.healed: healing.Healed | None = None  # the last healing after a lost worker
         self.heal_lost = True  # %distrain heal off: a lost rank takes the variables with it
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
@@ -200,7 +199,7 @@ class Session:
 
     def status_text(self) -> str:
         self.ready()
-        return self.cluster.status_text(self.warm).replace(DEAD_ADVICE, self.dead_advice())
+        return self.cluster.status_text(self.warm, advice=self.dead_advice())
 
     def dead_advice(self) -> str:
         """What the next cell does about ranks that died between cells."""
@@ -280,7 +279,6 @@ class Session:
                 self.curve_key = HEALED
             self.warm.clear()  # the new engines import the framework at the next cell
             self.rendezvous.pop(framework, None)  # the next cell makes a new group
-            self.healed = healed
         return healed
 
     def drop(self, framework: str, why: str) -> None:
