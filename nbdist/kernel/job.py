@@ -237,12 +237,10 @@ class Job:
         weakref callback or a ``__del__`` it is printed as "Exception ignored" and lost (seen
         here: a Keras fit that the interrupt never reached).
         """
-        with _sigint_as_flag() as interrupts:
+        with _sigint_counted() as interrupts:
             self._poll(ars, start, release, interrupts)
 
-    def _poll(
-        self, ars: list[Any], start: float, release: float, interrupts: threading.Event
-    ) -> None:
+    def _poll(self, ars: list[Any], start: float, release: float, interrupts: Interrupts) -> None:
         opts, watch, stream, live = self.opts, self.watch, self.stream, self.live
         peer_grace = release + PEER_GRACE_S
         kill_grace = release + KILL_GRACE_S
@@ -250,8 +248,7 @@ class Job:
         next_pump = 0.0
         while True:
             try:
-                if interrupts.is_set():
-                    interrupts.clear()
+                if interrupts.take():  # one at a time: a second one is the next round's
                     raise KeyboardInterrupt
                 now = time.monotonic()
                 pending = [p for p, ar in enumerate(ars) if not ar.ready()]
@@ -600,14 +597,35 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: Cluster) -> No
             outcome.failures.append(f)
 
 
+class Interrupts:
+    """The interrupts that arrived and the watch loop has not taken yet, counted: two that
+    arrive before the loop looks (its main thread busy a moment, e.g. importing) are two, the
+    second of which stops every rank at once. A flag kept them as one (seen here: a double
+    interrupt taken for a single one, and the graceful stop went on)."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    def arrived(self, signum: int = signal.SIGINT, frame: object = None) -> None:
+        self.waiting += 1  # handlers run in the main thread, as the loop does: no lock needed
+
+    def take(self) -> bool:
+        """Whether one is waiting; it is taken."""
+        if not self.waiting:
+            return False
+        self.waiting -= 1
+        return True
+
+
 @contextmanager
-def _sigint_as_flag() -> Iterator[threading.Event]:
-    """SIGINT sets the yielded event (main thread only; elsewhere the event never fires)."""
-    interrupts = threading.Event()
+def _sigint_counted() -> Iterator[Interrupts]:
+    """SIGINT counts in the yielded :class:`Interrupts` (main thread only; elsewhere none
+    arrive there)."""
+    interrupts = Interrupts()
     if threading.current_thread() is not threading.main_thread():
         yield interrupts
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.set())
+    previous = signal.signal(signal.SIGINT, interrupts.arrived)
     try:
         yield interrupts
     finally:

@@ -257,6 +257,17 @@ def test_a_second_interrupt_kills_at_once():
     assert took < 4.0  # not the 5 s kill grace
 
 
+def test_two_interrupts_that_arrive_before_the_watch_loop_looks_are_two():
+    """Seen in a TensorFlow fit: the notebook's main thread was importing when both arrived,
+    and a flag made them one, so the second interrupt did not stop the ranks at once."""
+    with job_module._sigint_counted() as interrupts:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs here, in the main thread
+        assert [interrupts.take() for _ in range(3)] == [True, True, False]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_an_engine_that_dies_mid_job_is_seen_and_the_others_freed():
     cluster = Cluster([Rank(in_collective=True), Rank(dies_after=0.1)])
     outcome, took = _run(cluster)
