@@ -56,6 +56,8 @@ from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import imported_modules
 from nbdist.protocol import RankSpec, Reason, SessionState
 
+INTERRUPTED_TF = "an interrupt stopped TensorFlow, which cannot go on after one"
+
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
     from nbdist.kernel.session import Session
@@ -223,7 +225,14 @@ class Cell:
         # What the survivors hold: the variables of the cells before, and of this one.
         held = bool(session.variables) or any(r.names for r in outcome.reports.values())
         said: list[str] = []  # healed: the error's last line says so; else why not, now
-        outcome.healed = session.heal(lost, framework=framework, variables=held, notify=said.append)
+        if outcome.watch.reason != Reason.INTERRUPT or backends.load(framework).SURVIVES_INTERRUPT:
+            outcome.healed = session.heal(
+                lost, framework=framework, variables=held, notify=said.append
+            )
+        elif session.heal_lost and held:
+            # The user's interrupt: the survivors took SIGINT too, and TensorFlow's runtime is
+            # not safe after one (settle replaces every engine then): nothing to heal from.
+            said.append(f"nbdist: not healed: {INTERRUPTED_TF}.")
         if outcome.healed is not None:
             return
         for line in said:
@@ -245,8 +254,7 @@ class Cell:
             return SessionState.DROPPED, self.drop(framework, list(range(cluster.size)))
         interrupted = watch.interrupted or any(f.interrupted for f in outcome.failures)
         if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
-            why = "an interrupt stopped TensorFlow, which cannot go on after one"
-            cluster.replace_engines(why=why)
+            cluster.replace_engines(why=INTERRUPTED_TF)
             return SessionState.REPLACED, []
         if watch.reason is None and not outcome.failures:
             return SessionState.OK, []

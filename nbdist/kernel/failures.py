@@ -129,6 +129,12 @@ def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | 
                 "with no optimizer.step() or log() call, a rank blocked in a data loader or a "
                 "collective), so the ranks were interrupted."
             )
+        if watch.killed:
+            killed = sorted(job_ranks[p] for p in watch.killed)
+            text += (
+                f" Rank{_s(killed)} {spans(killed)} did not stop on the interrupt and "
+                f"{'was' if len(killed) == 1 else 'were'} killed."
+            )
         return JobInterrupted(text)
     return None
 

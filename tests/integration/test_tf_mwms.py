@@ -313,6 +313,45 @@ def test_a_second_interrupt_during_fit_stops_every_rank_at_once(tf_ready, magics
     _assert_trained_in_sync(tf_ready.user_ns["res"].values)
 
 
+def test_a_rank_killed_after_a_double_interrupt_is_not_healed_from_interrupted_peers(
+    tf_ready, magics, capsys
+):
+    """Rank 1 ignores SIGINT, so the second interrupt ends with it killed. Its peer took the
+    interrupt: TensorFlow's runtime is not safe to heal from after one, so every engine is
+    replaced (healing, on by default, would have saved the interrupted rank's model)."""
+    from nbdist import JobInterrupted
+
+    tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=1))  # a model to keep, or lose
+    thread, interrupted, missed = _interrupt_when_training(magics, times=2, gap=0.1)
+    pids = [e.pid for e in magics.cluster.engines]
+    slow = "[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: SLEEP(0.3))]"
+    cell = "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    capsys.readouterr()
+    with pytest.raises(JobInterrupted) as info:
+        tf_ready.run_cell_magic(
+            "distrain",
+            "",
+            cell + fit_cell(epochs=100000, callbacks=slow).replace("SLEEP", "time.sleep"),
+        )
+    thread.join()
+    assert interrupted, f"the live view showed no samples within 60 s: {missed}"
+    message = str(info.value)
+    assert message.splitlines()[0] == (
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1. "
+        "Rank 1 did not stop on the interrupt and was killed."
+    )
+    assert message.splitlines()[-1].startswith(
+        "The engines were replaced, and the workers' variables (hist, model, rng, x, y) went"
+    )
+    said = capsys.readouterr().out
+    assert (
+        "nbdist: not healed: an interrupt stopped TensorFlow, which cannot go on after one." in said
+    )
+    assert not set(pids) & {e.pid for e in magics.cluster.engines}
+    tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
+    _assert_trained_in_sync(tf_ready.user_ns["res"].values)
+
+
 def test_keras_model_built_in_one_cell_fits_in_the_next_two(tf_ready):
     """One MultiWorkerMirroredStrategy for the session: build in one cell, fit in the next."""
     build = FIT.split("hist = ")[0]
