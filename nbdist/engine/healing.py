@@ -43,18 +43,20 @@ def leave_group(framework: str) -> dict[str, dict[str, Any]]:
     import gc
 
     from nbdist.engine import backends
+    from nbdist.engine.env import sigint_ignored
 
     namespace = session_namespace()
     wrapped: dict[str, dict[str, Any]] = {}
     ddp = _ddp_type()
-    if ddp is not None:
-        for name in [n for n, v in namespace.items() if isinstance(v, ddp)]:
-            model = namespace[name]
-            wrapped[name] = _ddp_arguments(model)
-            namespace[name] = model.module
-        model = None
-    gc.collect()  # the DDP objects (and their reducers) held the group
-    backends.load(framework).recover(engine_state())
+    with sigint_ignored():  # as drop_session: a half-left group would hang the next one
+        if ddp is not None:
+            for name in [n for n, v in namespace.items() if isinstance(v, ddp)]:
+                model = namespace[name]
+                wrapped[name] = _ddp_arguments(model)
+                namespace[name] = model.module
+            model = None
+        gc.collect()  # the DDP objects (and their reducers) held the group
+        backends.load(framework).recover(engine_state())
     # A second leave (a rank released to free its peers, then the healing) keeps the first's.
     slot = engine_state().slot(SLOT)
     slot["rewrap"] = wrapped = {**slot.get("rewrap", {}), **wrapped}

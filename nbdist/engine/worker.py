@@ -258,6 +258,17 @@ def drop_session(framework: str) -> list[str]:
     return dropped
 
 
+def release(framework: str) -> tuple[bool, list[str]]:
+    """Free the peers blocked in a collective with this rank, keeping its variables for a
+    healing where they can heal one: returns whether they were kept, and the names dropped.
+    Sharded state (FSDP2, DTensors) cannot heal a lost rank, and its device mesh holds the
+    group open (destroying the group then freed nobody): it is dropped, as drop_session does."""
+    if healing.sharded():
+        return False, drop_session(framework)
+    healing.leave_group(framework)
+    return True, []
+
+
 class _EndCell:
     """``exit()`` and ``quit()`` inside a cell: end the cell on this rank, as ``sys.exit()``
     does (``SystemExit``, reported like any error), and keep the worker.

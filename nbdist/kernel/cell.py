@@ -265,6 +265,7 @@ class Cell:
             watch.reason in (None, Reason.FAILURE)
             and not outcome.stopped
             and not outcome.released
+            and not outcome.left
             and not any(failures.lost_peer(f) or f.interrupted for f in outcome.failures)
         )
         if own_errors and self._group_works(framework, list(range(outcome.world))):

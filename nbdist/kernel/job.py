@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine import backends, healing, worker
-from nbdist.errors import RankFailure, lost_peer
+from nbdist.engine import backends, worker
+from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream, Rounds
@@ -93,6 +93,7 @@ class Outcome:
     history: list[dict[str, Any]]
     meta: RunMeta
     released: set[int] = field(default_factory=set)  # session ranks that dropped their group
+    left: set[int] = field(default_factory=set)  # ... that left it, their variables kept
     dropped: set[str] = field(default_factory=set)  # variables those ranks dropped
     lost: list[int] = field(default_factory=list)  # positions that died or were killed
     replaced: bool = False  # the engines were replaced (a rank was killed or died)
@@ -123,8 +124,8 @@ class Job:
         heal: bool = False,
     ) -> None:
         self.cluster = cluster
-        # A rank died and the session will be healed: a rank released to free its peers leaves
-        # the group with its variables kept (``healing.leave_group``), not dropped.
+        # Healing on: a rank released to free its peers leaves the group with its variables
+        # kept (``worker.release``), in case a rank is lost and they heal it.
         self.heal = heal
         self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
         self.specs = list(specs)
@@ -140,7 +141,7 @@ class Job:
         self.watch = Watch()
         self._joining: list[Any] = []
         self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
-        self._leaving: set[int] = set()  # ... released by leave_group instead (see _may_heal)
+        self._leaving: set[int] = set()  # ... released by leave_group instead (healing on)
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
@@ -449,8 +450,11 @@ class Job:
         for r in ranks:
             if r in self._release or r in dead or r >= self.cluster.size:
                 continue
-            leave = self._may_heal(r, dead)
-            release = healing.leave_group if leave else worker.drop_session
+            # Healing on: the rank keeps its variables, as a rank may yet be lost (die, or be
+            # killed for not stopping on the interrupt) and they are then what heals it; if none
+            # is, the settling drops them with the others' (Cell.settle).
+            leave = self.heal
+            release = worker.release if leave else worker.drop_session
             try:
                 self._release[r] = self.cluster.apply_async(r, release, self.framework)
             except Exception:  # an engine the hub has dropped (it died): nothing to free
@@ -459,31 +463,25 @@ class Job:
             if leave:
                 self._leaving.add(r)
 
-    def _may_heal(self, rank: int, dead: set[int]) -> bool:
-        """Whether a rank released to free its peers should keep its variables: healing is on,
-        and a rank died, or this one failed because a peer was gone (a rank seen dead only
-        later: a connected cluster's engine is dead once its heartbeats stop)."""
-        if not self.heal:
-            return False
-        if dead:
-            return True
-        p = self.ranks.index(rank) if rank in self.ranks else None
-        failure = _failure(self.ars[p]) if p is not None and self.ars[p].ready() else None
-        return failure is not None and lost_peer(failure)
-
     def _confirm_released(self, outcome: Outcome) -> None:
         deadline = time.monotonic() + RELEASED_WAIT_S
         still = {self.ranks[p] for p in outcome.watch.abandoned}
         for r, ar in self._release.items():
             if r in still:  # its drop runs when its cell ends: settle() leaves it queued
                 continue
-            if r in self._leaving:  # it kept its variables, and no rank died: settle drops them
-                continue
             try:
-                outcome.dropped.update(ar.get(max(0.0, deadline - time.monotonic())))
-                outcome.released.add(r)
+                result = ar.get(max(0.0, deadline - time.monotonic()))
             except Exception:  # the engine could not drop its group: failures.py restarts
-                pass
+                if r in self._leaving:
+                    outcome.left.add(r)
+                continue
+            if r in self._leaving:
+                kept, result = result
+                if kept:  # settle drops its variables unless the session heals
+                    outcome.left.add(r)
+                    continue
+            outcome.dropped.update(result)
+            outcome.released.add(r)
 
     def _dead(self, positions: Sequence[int]) -> list[int]:
         dead = set(self.cluster.dead([self.ranks[p] for p in positions]))

@@ -130,6 +130,35 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     _curve_goes_on(magics, cells=3)
 
 
+def test_a_rank_killed_for_ignoring_the_interrupt_is_healed(healing, magics):
+    """Rank 1 ignores SIGINT, so nbdist kills it; rank 0 stopped on the interrupt and keeps its
+    variables (torch goes on after one), and rank 1 gets them."""
+    from nbdist import JobInterrupted
+
+    sh = healing
+    sh.run_cell_magic("distrain", "--no-plot", BUILD)
+    _train(sh, 3)
+    deaf = "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    victim = magics.cluster.engines[1].pid
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(JobInterrupted) as info:  # no step boundary: interrupted at once
+        sh.run_cell_magic("distrain", "--no-plot", deaf + "time.sleep(60)\n")
+    timer.join()
+    lines = str(info.value).splitlines()
+    assert lines[0] == (
+        "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1. "
+        "Rank 1 did not stop on the interrupt and was killed."
+    )
+    assert lines[-1].startswith(
+        "The session was healed: new engines took rank 1, and every rank got rank 0's variables ("
+    ), lines
+    assert victim not in [e.pid for e in magics.cluster.engines]
+    done, _, kind = _train(sh, 2)
+    assert (done, kind) == (5, "DistributedDataParallel")
+    _replicas_equal(sh)
+
+
 def _curve_goes_on(magics, *, cells):
     """The session's loss curve: one segment per training cell, each starting at the step after
     the one before ended (a healed model is a new object of the same state)."""
