@@ -180,6 +180,7 @@ def test_the_private_network_connects_out_and_nothing_connects_in(shell, magics,
                 assert refused, f"{target}:{port} reached a worker's listener"
     finally:
         server.shutdown()
+        server.server_close()  # shutdown() only ends serve_forever: the socket listened on
         shell.run_line_magic("distrain", "stop")
 
 

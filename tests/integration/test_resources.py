@@ -154,7 +154,9 @@ def test_everything_listens_on_loopback_only(warm, magics):
     listening = _listening()
     engines = {e.pid for e in magics.cluster.engines}
     others = {pid for pid, _, _ in listening} - engines - _engine_children(engines)
-    assert not others, [(pid, _cmdline(pid)) for pid in others]
+    assert not others, [
+        (pid, _cmdline(pid), ip, port) for pid, ip, port in listening if pid in others
+    ]
     assert {pid for pid, _, _ in listening} & engines, "expected the engines to listen"
     exposed = [item for item in listening if item[1] not in LOOPBACK]
     assert exposed == []
