@@ -41,7 +41,7 @@ from IPython.core.error import UsageError
 from nbdist.engine import backends, worker
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.profiling import SKIP_STEPS
-from nbdist.errors import DistrainError, JobInterrupted, WorkerError
+from nbdist.errors import ClusterError, DistrainError, JobInterrupted, WorkerError
 from nbdist.kernel import breakdown, failures, prepare
 from nbdist.kernel.checks import calls
 from nbdist.kernel.display import HEALED, LiveView
@@ -277,10 +277,13 @@ class Cell:
         )
 
     def _group_works(self, framework: str, ranks: list[int]) -> bool:
-        ars = [
-            self.cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
-            for r in ranks
-        ]
+        try:
+            ars = [
+                self.cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
+                for r in ranks
+            ]
+        except ClusterError:  # an engine the controller no longer has: no group to keep
+            return False
         deadline = time.monotonic() + HEALTH_WAIT_S
         verdicts = []
         for ar in ars:

@@ -71,6 +71,7 @@ CPU_SAMPLE_EVERY_S = 1.0
 LAST_METRICS_WAIT_S = 2.0  # results can overtake the last metrics message (another channel)
 LAST_OUTPUT_WAIT_S = 2.0  # ... and the last lines a rank printed
 RELEASED_WAIT_S = 10.0  # for the ranks told to drop their part of the group to confirm
+EXIT_WAIT_S = 5.0  # for the process of an engine ipyparallel called dead to be seen gone
 # A graceful stop (nbdist.engine.stopping) that has not ended every rank this long after the
 # interrupt falls back to the interrupt: a rank reached no step boundary meanwhile. Ranks whose
 # steps are slower get three of their steps (the agreement takes two), up to the maximum.
@@ -182,6 +183,15 @@ class Job:
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         # A rank nbdist killed itself is "stopped", never "died".
         seen_dead = set(watch.dead) | set(self._dead(range(len(ars))))
+        # ipyparallel fails the task of an engine whose nanny saw it go (its pipe closed) while
+        # the process still exits: an engine the out-of-memory killer took frees its memory
+        # before it is a zombie, and meanwhile it looked alive (a CI run: the cell then ended
+        # as an ordinary error, and the health check found the engine gone).
+        unreported = {p for p, ar in enumerate(ars) if ar.ready() and _engine_died(ar)}
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while unreported - seen_dead - set(watch.killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen_dead |= set(self._dead(sorted(unreported - seen_dead)))
         watch.dead = sorted(seen_dead - set(watch.killed))
         # A task's result can overtake its last printed lines (they come on another channel):
         # seen in a notebook, a 0.05 s cell whose prints never showed.
@@ -543,6 +553,16 @@ def _failure(ar: Any) -> RankFailure | None:
         return ar.get(0).failure
     except Exception:
         return None
+
+
+def _engine_died(ar: Any) -> bool:
+    """Whether ipyparallel failed a finished task itself because its engine died (its nanny
+    told the controller): a ``RemoteError`` named ``EngineError``."""
+    try:
+        ar.get(0)
+    except Exception as e:
+        return getattr(e, "ename", type(e).__name__) == "EngineError"
+    return False
 
 
 def _failed(ar: Any) -> bool:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from ipyparallel.error import RemoteError
 
 from nbdist.engine import worker
 from nbdist.engine.backends import torch_ddp
@@ -34,6 +35,9 @@ class Rank:
     in_collective: bool = False
     ignores_interrupt: bool = False
     dies_after: float | None = None
+    # ipyparallel fails its task (its nanny saw it go) this long before its process is gone:
+    # (when, how much later); an engine the out-of-memory killer took still frees its memory.
+    unregistered_before_gone: tuple[float, float] | None = None
 
 
 class Task:
@@ -58,7 +62,8 @@ class Task:
         self.done_at = time.monotonic() if at is None else at
 
     def die(self) -> None:
-        self.error = RuntimeError("engine died")
+        # What ipyparallel's client raises for the task of an engine that unregistered.
+        self.error = RemoteError("EngineError", f"Engine {self.rank} died while running task", "")
         self.done_at = time.monotonic()
 
     def ready(self) -> bool:
@@ -123,6 +128,10 @@ class Cluster:
                 task.end(how.fails, at=time.monotonic() + how.ends_after)
             if how.dies_after is not None:
                 threading.Timer(how.dies_after, self._die, args=(rank,)).start()
+            if how.unregistered_before_gone is not None:
+                when, later = how.unregistered_before_gone
+                threading.Timer(when, task.die).start()
+                threading.Timer(when + later, self._die, args=(rank,)).start()
         elif fn is worker.drop_session:
             self.calls.append(("release", (rank,)))
             for r, other in self.tasks.items():  # a peer leaving frees those in a collective
@@ -276,6 +285,15 @@ def test_an_engine_that_dies_mid_job_is_seen_and_the_others_freed():
     assert cluster.calls == [("interrupt", (0, 1))]  # the survivor waits on a dead peer: stopped
     assert outcome.stopped == [0]
     assert took < 5.0
+
+
+def test_an_engine_ipyparallel_calls_dead_before_its_process_is_gone_is_dead():
+    """Seen in a CI run: the task of an engine the out-of-memory killer took failed while its
+    process still exited, and the cell ended as an ordinary error."""
+    cluster = Cluster([Rank(ends_after=0.02), Rank(unregistered_before_gone=(0.1, 0.4))])
+    outcome, took = _run(cluster)
+    assert outcome.watch.dead == [1] and outcome.lost == [1] and outcome.watch.killed == []
+    assert 0.5 <= took < 5.0
 
 
 def test_ranks_that_all_finish_are_left_alone():
