@@ -47,6 +47,7 @@ from nbdist.kernel.checks import calls
 from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
 from nbdist.kernel.figure import png_data
+from nbdist.kernel.healing import INTERRUPTED_TF
 from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.libraries import independent_copies
 from nbdist.kernel.local import default_workers
@@ -55,8 +56,6 @@ from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import imported_modules
 from nbdist.protocol import RankSpec, Reason, SessionState
-
-INTERRUPTED_TF = "an interrupt stopped TensorFlow, which cannot go on after one"
 
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
@@ -225,14 +224,10 @@ class Cell:
         # What the survivors hold: the variables of the cells before, and of this one.
         held = bool(session.variables) or any(r.names for r in outcome.reports.values())
         said: list[str] = []  # healed: the error's last line says so; else why not, now
-        if outcome.watch.reason != Reason.INTERRUPT or backends.load(framework).SURVIVES_INTERRUPT:
-            outcome.healed = session.heal(
-                lost, framework=framework, variables=held, notify=said.append
-            )
-        elif session.heal_lost and held:
-            # The user's interrupt: the survivors took SIGINT too, and TensorFlow's runtime is
-            # not safe after one (settle replaces every engine then): nothing to heal from.
-            said.append(f"nbdist: not healed: {INTERRUPTED_TF}.")
+        outcome.healed = session.heal(
+            lost, framework=framework, variables=held, notify=said.append,
+            interrupted=outcome.watch.reason == Reason.INTERRUPT,
+        )  # fmt: skip
         if outcome.healed is not None:
             return
         for line in said:

@@ -28,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.engine import healing
+from nbdist.engine import backends, healing
 from nbdist.kernel.engines import gather
+
+INTERRUPTED_TF = "an interrupt stopped TensorFlow, which cannot go on after one"
 
 HEAL_TIMEOUT_S = 120.0  # the survivors' leave, the snapshot, the new engines, the restores
 
@@ -84,13 +86,21 @@ class Healed:
 
 
 def why_not(
-    cluster: Any, framework: str | None, dead: Sequence[int], *, variables: bool
+    cluster: Any,
+    framework: str | None,
+    dead: Sequence[int],
+    *,
+    variables: bool,
+    interrupted: bool = False,
 ) -> str | None:
-    """Why the session cannot be healed after ``dead`` died (None: it can)."""
+    """Why the session cannot be healed after ``dead`` died (None: it can); ``interrupted``:
+    in a cell the user interrupted, so the survivors took SIGINT too."""
     if not variables:
         return "the workers held no variables"
     if framework not in ("torch", "tf"):
         return "no framework's session to heal"
+    if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
+        return INTERRUPTED_TF  # nothing sound to heal from (the cell replaces every engine)
     if framework == "tf" and not cluster.STARTS_ENGINES:
         return (
             "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place, and "
@@ -178,11 +188,12 @@ def try_heal(
     variables: bool,
     notify: Any,
     gone: str | None = None,
+    interrupted: bool = False,
 ) -> Healed | None:
     """Heal if it can be done (:func:`heal`), and say so; else say why not (unless there was
     nothing to keep) and return None: the caller replaces the engines, as before. ``gone``:
-    how the ranks died, said first."""
-    why = why_not(cluster, framework, dead, variables=variables)
+    how the ranks died, said first; ``interrupted``: as for :func:`why_not`."""
+    why = why_not(cluster, framework, dead, variables=variables, interrupted=interrupted)
     head = f"nbdist: {gone}; " if gone else "nbdist: "
     if why is not None:
         if variables:

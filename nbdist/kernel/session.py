@@ -259,6 +259,7 @@ class Session:
         variables: bool | None = None,
         gone: str | None = None,
         notify: Any = None,
+        interrupted: bool = False,
     ) -> healing.Healed | None:
         """Rebuild the dead ranks from a survivor, the variables kept (``nbdist.kernel
         .healing``); None where it cannot, or ``%distrain heal off`` (the engines are then
@@ -271,7 +272,7 @@ class Session:
         changes = len(self._changes)
         healed = healing.try_heal(
             self.cluster, framework, dead, variables=held, notify=notify or self.notify,
-            gone=gone,
+            gone=gone, interrupted=interrupted,
         )  # fmt: skip
         if healed is not None:
             del self._changes[changes:]  # engines a TensorFlow healing replaced: nothing lost
