@@ -141,8 +141,8 @@ class Job:
         self.rounds = Rounds(len(specs), PUMP_EVERY_S)
         self.watch = Watch()
         self._joining: list[Any] = []
-        self._release: dict[int, Any] = {}  # session rank -> its drop_session AsyncResult
-        self._leaving: set[int] = set()  # ... released by leave_group instead (healing on)
+        self._release: dict[int, Any] = {}  # session rank -> its drop_session (or, healing
+        # on, worker.release) AsyncResult
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
@@ -463,15 +463,11 @@ class Job:
             # Healing on: the rank keeps its variables, as a rank may yet be lost (die, or be
             # killed for not stopping on the interrupt) and they are then what heals it; if none
             # is, the settling drops them with the others' (Cell.settle).
-            leave = self.heal
-            release = worker.release if leave else worker.drop_session
+            release = worker.release if self.heal else worker.drop_session
             try:
                 self._release[r] = self.cluster.apply_async(r, release, self.framework)
             except Exception:  # an engine the hub has dropped (it died): nothing to free
                 log.debug("rank %d cannot be released", r, exc_info=True)
-                continue
-            if leave:
-                self._leaving.add(r)
 
     def _confirm_released(self, outcome: Outcome) -> None:
         deadline = time.monotonic() + RELEASED_WAIT_S
@@ -482,10 +478,10 @@ class Job:
             try:
                 result = ar.get(max(0.0, deadline - time.monotonic()))
             except Exception:  # the engine could not drop its group: failures.py restarts
-                if r in self._leaving:
+                if self.heal:
                     outcome.left.add(r)
                 continue
-            if r in self._leaving:
+            if self.heal:  # worker.release's answer
                 kept, result = result
                 if kept:  # settle drops its variables unless the session heals
                     outcome.left.add(r)
