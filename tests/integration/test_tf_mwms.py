@@ -288,6 +288,15 @@ def test_stop_during_fit_ends_every_worker_at_the_same_batch(tf_ready, magics):
     assert tf_ready.run_line_magic("distrain", "compare model").identical
 
 
+# Batches of 0.3 s, for ever: the workers cannot agree on one before a second interrupt 0.1 s
+# after the first.
+SLOW_ENDLESS_FIT = fit_cell(
+    epochs=100000,
+    callbacks="[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: "
+    "time.sleep(0.3))]",
+)
+
+
 def test_a_second_interrupt_during_fit_stops_every_rank_at_once(tf_ready, magics):
     """The second interrupt does not wait for the step boundary: SIGINT, as before the
     graceful stop; TensorFlow cannot go on after it (later cells segfaulted): new engines."""
@@ -295,12 +304,8 @@ def test_a_second_interrupt_during_fit_stops_every_rank_at_once(tf_ready, magics
 
     thread, interrupted, missed = _interrupt_when_training(magics, times=2, gap=0.1)
     pids = [e.pid for e in magics.cluster.engines]
-    # Batches of 0.3 s: the workers cannot agree on one before the second interrupt.
-    slow = "[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: SLEEP(0.3))]"
     with pytest.raises(JobInterrupted) as info:
-        tf_ready.run_cell_magic(
-            "distrain", "", fit_cell(epochs=100000, callbacks=slow).replace("SLEEP", "time.sleep")
-        )
+        tf_ready.run_cell_magic("distrain", "", SLOW_ENDLESS_FIT)
     thread.join()
     assert interrupted, f"the live view showed no samples within 60 s: {missed}"
     message = str(info.value)
@@ -324,15 +329,10 @@ def test_a_rank_killed_after_a_double_interrupt_is_not_healed_from_interrupted_p
     tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=1))  # a model to keep, or lose
     thread, interrupted, missed = _interrupt_when_training(magics, times=2, gap=0.1)
     pids = [e.pid for e in magics.cluster.engines]
-    slow = "[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: SLEEP(0.3))]"
-    cell = "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    deaf = "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
     capsys.readouterr()
     with pytest.raises(JobInterrupted) as info:
-        tf_ready.run_cell_magic(
-            "distrain",
-            "",
-            cell + fit_cell(epochs=100000, callbacks=slow).replace("SLEEP", "time.sleep"),
-        )
+        tf_ready.run_cell_magic("distrain", "", deaf + SLOW_ENDLESS_FIT)
     thread.join()
     assert interrupted, f"the live view showed no samples within 60 s: {missed}"
     message = str(info.value)
