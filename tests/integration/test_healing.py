@@ -51,6 +51,15 @@ def _kill(pid):
     assert gone_or_zombie(pid)
 
 
+def _kill_once_there(path, pid, timeout=60.0):
+    """Kill ``pid`` once ``path`` exists (a cell writes it), or after ``timeout`` seconds, so
+    that the cell never runs on unkilled."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _kill(pid)
+
+
 def _replicas_equal(sh):
     for name in ("model", "opt"):
         same = sh.run_line_magic("distrain", f"compare {name}")
@@ -307,7 +316,7 @@ epochs += 2
 @pytest.mark.tf
 @pytest.mark.slow
 def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope(
-    fresh_session, magics, capsys
+    fresh_session, magics, capsys, tmp_path
 ):
     """A MultiWorkerMirroredStrategy cannot change its cluster: every engine is replaced, and
     each gets rank 0's variables, its Keras model rebuilt in the new strategy's scope with its
@@ -342,12 +351,16 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     assert trained[0][0] == 4 and trained[0][2] == 16, trained  # the optimizer's steps go on
 
     # In the middle of a fit: the survivor's collective fails at its timeout, then the same.
+    # Rank 1 is killed once rank 0, the survivor, has counted a fit of this cell (a fixed delay
+    # could end before a loaded machine's first fit in the new engines does).
     victim = magics.cluster.engines[1].pid
-    killer = threading.Timer(2.0, _kill, (victim,))
+    fitted = tmp_path / "fitted"
+    killer = threading.Thread(target=_kill_once_there, args=(fitted, victim))
     killer.start()
     with pytest.raises(WorkerDied) as info:
         values("import time\nfor _ in range(200):\n    net.fit(x, y, batch_size=64, verbose=0)\n"
-               "    epochs += 1\n    time.sleep(0.05)\n")  # fmt: skip
+               f"    epochs += 1\n    if rank == 0:\n        open({str(fitted)!r}, 'w').close()\n"
+               "    time.sleep(0.05)\n")  # fmt: skip
     killer.join()
     assert f"pid {victim}" in str(info.value), info.value
     assert (
