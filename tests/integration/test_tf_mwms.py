@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import errno
 import re
 import textwrap
@@ -164,9 +165,16 @@ def test_worker_raising_inside_fit(tf_ready, magics):
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         tf_ready.run_cell_magic("distrain", "", fit_cell(epochs=50, callbacks=callback))
-    assert time.monotonic() - start < 15 + 10  # the collective timeout, plus margin
+    ended = time.time()
+    assert time.monotonic() - start < 60  # no hang (the whole took 18-22 s)
     assert info.value.ranks == [1]
     assert "raised ValueError: bad batch" in str(info.value)
+    # Rank 0, blocked in the batch's collective, was freed by TensorFlow's collective timeout
+    # (15 s after rank 1 raised, within a batch), and the cell ended soon after. Each part is
+    # bounded on its own: the cell's start and its first fit's tracing vary with the machine.
+    freed, raised = (f.time for f in info.value.failures)  # in rank order
+    assert 15 - 1 < freed - raised < 15 + 3, (raised, freed)
+    assert ended - freed < 8, (freed, ended)
     tf_ready.run_cell_magic("distrain", "-o res", fit_cell(epochs=2))
     (l0, _), (l1, _) = tf_ready.user_ns["res"].values
     assert l0 == l1
@@ -489,10 +497,11 @@ def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(
             return strategy.reduce("SUM", one, axis=None)
 
         for step in range(3 if rank == 0 else 2):
+            entered = time.time()
             try:
                 log(step, loss=float(total()))
             except Exception:
-                open(f"FOLDER/failed-{rank}", "w").write(repr(time.time()))
+                open(f"FOLDER/failed-{rank}", "w").write(repr((entered, time.time())))
                 raise
         """
     ).replace("FOLDER", str(tmp_path))
@@ -501,21 +510,26 @@ def test_worker_that_finished_frees_its_peer_at_the_collective_timeout(
     with pytest.raises(RanksDisagree) as info:
         tf_ready.run_cell_magic("distrain", flags, cell)
     elapsed = time.monotonic() - start
+    ended = time.time()
     lead = "no progress for 3 s: " if flags else ""
     assert str(info.value).splitlines()[0] == lead + (
         "rank 1 finished the cell after 2 steps, while rank 0 waits at "
-        "step 1 (cell line 21: log(step, loss=float(total()))): a collective that rank 1 will "
+        "step 1 (cell line 22: log(step, loss=float(total()))): a collective that rank 1 will "
         "never join. The ranks ran different numbers of steps: give every worker the same number "
         "of steps (the same steps_per_epoch, a dataset each worker reads the same number of "
         "batches from). TensorFlow's collective timeout (15 s) freed rank 0: the engines are "
         "the same."
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dropped-0", "dropped-1", "failed-0"]
-    failed = float((tmp_path / "failed-0").read_text())
+    entered, failed = ast.literal_eval((tmp_path / "failed-0").read_text())
     assert float((tmp_path / "dropped-1").read_text()) >= failed
-    # The collective timeout, then up to 2 s for the ranks' last output and 2 s for their last
-    # metrics (a clean-clone run took 20.1 s with the job itself at 15.2 s).
-    assert elapsed < 15 + 8
+    # TensorFlow's collective timeout freed rank 0, 15 s after it entered the collective; the
+    # cell then ended within up to 2 s for the ranks' last output and 2 s for their last
+    # metrics. Each part is bounded on its own: the cell's start and its tracing vary with
+    # the machine (the whole took 15-21 s in clean-clone runs, once 34 s under load).
+    assert 15 - 1 < failed - entered < 15 + 3, (entered, failed)
+    assert ended - failed < 8, (failed, ended)
+    assert elapsed < 60  # no hang
     assert [e.pid for e in magics.cluster.engines] == pids
     tf_ready.run_cell_magic("distrain", "-o res", "strategy.num_replicas_in_sync\n")
     assert tf_ready.user_ns["res"].values == [2, 2]
