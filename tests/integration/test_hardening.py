@@ -23,7 +23,7 @@ from nbdist.kernel import cell, commands
 from nbdist.kernel import engines as engines_module
 from nbdist.kernel import local as cluster_module
 from nbdist.kernel.local import LocalCluster, engine_nannies
-from tests.procs import no_process_left
+from tests.procs import no_process_left, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -186,21 +186,25 @@ def test_cells_right_after_a_replacement_run_on_the_new_engines(fresh_session, m
         assert fresh_session.user_ns["res"].values == [(0, pids[0]), (1, pids[1])]
 
 
-SLEEP_IGNORING_SIGINT = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + (
-    "time.sleep(60)\n"
+# Each rank writes FOLDER/deaf-RANK once it ignores SIGINT.
+SLEEP_IGNORING_SIGINT = (
+    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "open(f'FOLDER/deaf-{rank}', 'w').close()\ntime.sleep(60)\n"
 )
 
 
-def test_second_interrupt_while_the_engines_are_replaced(fresh_session, magics):
+def test_second_interrupt_while_the_engines_are_replaced(fresh_session, magics, tmp_path):
     """Ranks that ignore SIGINT are killed and the engines replaced; a second interrupt during
     that replacement stops the cluster cleanly, and the next cell starts a new one."""
     old = [e.pid for e in magics.cluster.engines]
     controller = magics.cluster._cluster.controller.pid
     _interrupt_after(magics.cluster._cluster, "start_engines_sync")
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    deaf = [tmp_path / f"deaf-{rank}" for rank in (0, 1)]
+    timer = once_written(deaf, lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(JobInterrupted) as info:
-        fresh_session.run_cell_magic("distrain", "--no-plot", SLEEP_IGNORING_SIGINT)
+        fresh_session.run_cell_magic(
+            "distrain", "--no-plot", SLEEP_IGNORING_SIGINT.replace("FOLDER", str(tmp_path))
+        )
     timer.join()
     assert str(info.value).splitlines() == [
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1.",

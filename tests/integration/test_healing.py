@@ -14,7 +14,7 @@ import pytest
 
 from nbdist import WorkerDied
 from tests.cgroups import memory_cgroup
-from tests.procs import gone_or_zombie
+from tests.procs import gone_or_zombie, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -49,15 +49,6 @@ def _train(sh, steps, pause=0.0, flags="--no-plot"):
 def _kill(pid):
     os.kill(pid, signal.SIGKILL)
     assert gone_or_zombie(pid)
-
-
-def _kill_once_there(path, pid, timeout=60.0):
-    """Kill ``pid`` once ``path`` exists (a cell writes it), or after ``timeout`` seconds, so
-    that the cell never runs on unkilled."""
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _kill(pid)
 
 
 def _replicas_equal(sh):
@@ -139,7 +130,7 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     _curve_goes_on(magics, cells=3)
 
 
-def test_a_rank_killed_for_ignoring_the_interrupt_is_healed(healing, magics):
+def test_a_rank_killed_for_ignoring_the_interrupt_is_healed(healing, magics, tmp_path):
     """Rank 1 ignores SIGINT, so nbdist kills it; rank 0 stopped on the interrupt and keeps its
     variables (torch goes on after one), and rank 1 gets them."""
     from nbdist import JobInterrupted
@@ -147,12 +138,15 @@ def test_a_rank_killed_for_ignoring_the_interrupt_is_healed(healing, magics):
     sh = healing
     sh.run_cell_magic("distrain", "--no-plot", BUILD)
     _train(sh, 3)
-    deaf = "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    deaf = tmp_path / "deaf"
+    cell = (
+        "import signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"    open({str(deaf)!r}, 'w').close()\n"
+    )
     victim = magics.cluster.engines[1].pid
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    timer = once_written([deaf], lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(JobInterrupted) as info:  # no step boundary: interrupted at once
-        sh.run_cell_magic("distrain", "--no-plot", deaf + "time.sleep(60)\n")
+        sh.run_cell_magic("distrain", "--no-plot", cell + "time.sleep(60)\n")
     timer.join()
     lines = str(info.value).splitlines()
     assert lines[0] == (
@@ -355,8 +349,7 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     # could end before a loaded machine's first fit in the new engines does).
     victim = magics.cluster.engines[1].pid
     fitted = tmp_path / "fitted"
-    killer = threading.Thread(target=_kill_once_there, args=(fitted, victim))
-    killer.start()
+    killer = once_written([fitted], lambda: _kill(victim))
     with pytest.raises(WorkerDied) as info:
         values("import time\nfor _ in range(200):\n    net.fit(x, y, batch_size=64, verbose=0)\n"
                f"    epochs += 1\n    if rank == 0:\n        open({str(fitted)!r}, 'w').close()\n"
