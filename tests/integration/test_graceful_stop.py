@@ -173,6 +173,7 @@ def test_a_rank_blocked_in_a_collective_falls_back_to_the_interrupt(
         "    time.sleep(0.01)\n",
     )
     sent: list[float] = []
+    # 0.2 s after rank 1 stuck: rank 0 is then waiting for it in the all-reduce.
     sender = once_written([stuck_file], lambda: _interrupt_at(0.2, sent=sent).join())
     with pytest.raises(JobInterrupted) as info:
         sh.run_cell_magic("distrain", "--no-plot", stuck)
