@@ -348,13 +348,12 @@ class LocalCluster(RankedEngines):
 
     def exit_status(self, rank: int) -> int | None:
         """How the engine of ``rank`` ended: its exit code (negative: the signal that killed
-        it), as ipyparallel's launcher reaped it; None while it runs.
+        it); None while it runs.
 
-        ipyparallel's watcher thread and this method may both wait for the process; the one
-        that reaps it first has the code (the other's wait answers None), and the watcher hands
-        it to ``stop_data`` a moment later: so a dead engine's code is looked for until it
-        appears, for up to ``ZOMBIE_WAIT_S`` (also while a killed engine is a zombie whose other
-        threads still exit).
+        ipyparallel's watcher thread reaps the engine; this method only looks (``_ended``),
+        and a dead engine's code is looked for until it appears, for up to ``ZOMBIE_WAIT_S``
+        (while a killed engine is a zombie whose other threads still exit, or the watcher is
+        about to keep the code).
         """
         if self._cluster is None or rank >= self.size:
             return None
@@ -365,9 +364,8 @@ class LocalCluster(RankedEngines):
         while True:
             code, running = self._exit_code(pid)
             if code is not None:
-                # Kept: whoever reaped it first has the code, and this method may have been
-                # that one (ipyparallel's watcher then never learns it, and the next look here
-                # would find neither a process nor a code).
+                # Kept: the watcher's launcher, which holds the code, is dropped when the
+                # cluster's loop next runs (a later start of engines).
                 self._exit_codes[pid] = code
             if code is not None or running or time.monotonic() > deadline:
                 return code
@@ -399,10 +397,9 @@ class LocalCluster(RankedEngines):
                     return data["exit_code"], False
             for launcher in list(engine_set.launchers.values()):
                 if launcher.pid == pid and launcher.process is not None:
-                    try:
-                        return launcher.process.wait(0), False  # None: the watcher reaped it
-                    except psutil.TimeoutExpired:
-                        pass
+                    code, ended = _ended(launcher)
+                    if ended:
+                        return code, False
         try:
             # A killed engine's main thread shows as a zombie while its other threads still
             # exit; it cannot be reaped until they have.
@@ -477,15 +474,12 @@ class LocalCluster(RankedEngines):
         """An engine process of this cluster that exited while the others start, and the end
         of what it printed (its own error: it could not join the private network, a module in
         the notebook's folder broke its imports, ...); None while they all run."""
-        import psutil
 
         for launcher in self._launchers():
-            process = getattr(launcher, "process", None)
-            if process is None or launcher.pid in started:
+            if getattr(launcher, "process", None) is None or launcher.pid in started:
                 continue
-            try:
-                code = process.wait(0)
-            except psutil.TimeoutExpired:
+            code, ended = _ended(launcher)
+            if not ended:
                 continue
             lines = [ln for ln in launcher.get_output().splitlines() if ln.strip()]
             said = "\n".join(f"    {ln}" for ln in lines[-ENGINE_OUTPUT_LINES:])
@@ -504,6 +498,35 @@ class LocalCluster(RankedEngines):
             for engine_set in self._cluster.engines.values()
             for launcher in list(engine_set.launchers.values())
         ]
+
+
+def _ended(launcher: Any) -> tuple[int | None, bool]:
+    """(the exit code of the process of ipyparallel's ``launcher``, if known; whether it has
+    ended), without reaping it.
+
+    ipyparallel's watcher thread reaps it. A second wait here would race that one: whoever
+    reaps first has the code, and psutil's ``Process.wait`` caches the other's None over it
+    (10 of 300 kills at the moment the engine became a zombie, here), so that nobody knew how
+    the engine ended (a CI run: "dead", without its cause). A zombie is only looked at
+    (``WNOWAIT``); once it is reaped, the code is the watcher's, read when its thread is done.
+    """
+    try:
+        info = os.waitid(os.P_PID, launcher.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped (by the watcher), or not this process's child
+        watcher = getattr(launcher, "_wait_thread", None)
+        if watcher is not None and watcher.is_alive():
+            return None, False  # it is about to keep the code
+        import psutil
+
+        try:  # the watcher's own psutil Process, which keeps the code it reaped
+            return launcher.process.wait(0), True
+        except psutil.TimeoutExpired:
+            return None, False
+    if info is None:  # it runs (or its last threads still exit)
+        return None, False
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return -info.si_status, True
+    return info.si_status, True
 
 
 def engine_nannies(profile: Any) -> list[Any]:
