@@ -55,20 +55,25 @@ def gone_or_zombie(pid: int, timeout: float = 10.0) -> bool:
         time.sleep(0.05)
 
 
-def once_written(paths, action, timeout: float = 60.0):
-    """A started thread that calls ``action()`` once every file in ``paths`` exists (a cell's
-    ranks write them when they are where the test wants them: past a step, ignoring SIGINT),
-    or after ``timeout`` seconds, so that a cell is never left running on its own. A fixed
-    delay instead would guess how fast the machine is."""
+def once(ready, action, timeout: float = 60.0):
+    """A started thread that calls ``action()`` once ``ready()`` is true (the cell's ranks are
+    where the test wants them: past a step, ignoring SIGINT, seen logging), or after
+    ``timeout`` seconds, so that a cell is never left running on its own. A fixed delay
+    instead would guess how fast the machine is."""
     import threading
     import time
 
     def wait_then_act() -> None:
         deadline = time.monotonic() + timeout
-        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        while not ready() and time.monotonic() < deadline:
             time.sleep(0.05)
         action()
 
     thread = threading.Thread(target=wait_then_act)
     thread.start()
     return thread
+
+
+def once_written(paths, action, timeout: float = 60.0):
+    """``once`` every file in ``paths`` exists (the cell's ranks write them)."""
+    return once(lambda: all(p.exists() for p in paths), action, timeout)

@@ -16,7 +16,7 @@ import pytest
 from nbdist import JobInterrupted
 from nbdist.kernel.job import GRACEFUL_WAIT_S
 from tests.fsdp import fully_shard_import
-from tests.procs import once_written
+from tests.procs import once, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -69,6 +69,18 @@ def _interrupt_at(*seconds: float, sent: list[float] | None = None) -> threading
     return thread
 
 
+def _both_seen_stepping(magics):
+    """Whether the notebook has a point from both ranks of the cell that now starts: a graceful
+    stop needs one (a rank's step boundary); an interrupt before any is an interrupt at once."""
+    before = magics.session.view
+
+    def seen() -> bool:
+        view = magics.session.view
+        return view is not None and view is not before and view.agg.seen >= 2
+
+    return seen
+
+
 def _stopped_step(message: str) -> int:
     head = "stopped (Stop button or Kernel > Interrupt): every rank stopped after step "
     assert message.startswith(head), message
@@ -80,7 +92,7 @@ def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics)
     sh.run_cell_magic("distrain", "", BUILD)
     pids = [e.pid for e in magics.cluster.engines]
     sent: list[float] = []
-    sender = _interrupt_at(1.5, sent=sent)
+    sender = once(_both_seen_stepping(magics), lambda: _interrupt_at(0.0, sent=sent).join())
     with pytest.raises(JobInterrupted) as info:
         sh.run_cell_magic("distrain", "--no-plot", _train(step_s=0.5))  # the slowest steps promised
     took = time.monotonic() - sent[0]
@@ -117,7 +129,7 @@ def test_fsdp2_stops_at_the_same_step(fresh_session, magics):
         "X = torch.randn(64, 10, generator=torch.Generator().manual_seed(rank))\n"
         "Y = X.sum(1, keepdim=True)\ndone = 0\n",
     )
-    sender = _interrupt_at(1.5)
+    sender = once(_both_seen_stepping(magics), lambda: _interrupt_at(0.0).join())
     with pytest.raises(JobInterrupted) as info:
         sh.run_cell_magic("distrain", "--no-plot", _train())
     sender.join()
@@ -140,11 +152,12 @@ NO_MORE_STEPS = "log(loss=1.0)\nimport time\nwhile True:\n    time.sleep(0.01)\n
 def test_a_rank_that_reaches_no_step_boundary_is_interrupted_after_the_wait(fresh_session, magics):
     sh = fresh_session
     sh.run_cell_magic("distrain", "", "x = 1\n")
-    sender = _interrupt_at(1.5)
-    start = time.monotonic()
+    # One that came before the ranks' logged point would find that step boundary still ahead.
+    sent: list[float] = []
+    sender = once(_both_seen_stepping(magics), lambda: _interrupt_at(0.0, sent=sent).join())
     with pytest.raises(JobInterrupted) as info:
         sh.run_cell_magic("distrain", "--no-plot", NO_MORE_STEPS)
-    took = time.monotonic() - start
+    took = time.monotonic() - sent[0]
     sender.join()
     assert str(info.value) == (
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1. Asked to stop at "
@@ -154,7 +167,7 @@ def test_a_rank_that_reaches_no_step_boundary_is_interrupted_after_the_wait(fres
         "The process group was rebuilt and the workers' variables were dropped (x): re-run the "
         "cells that build them."
     )
-    assert 1.5 + GRACEFUL_WAIT_S <= took < 1.5 + GRACEFUL_WAIT_S + 4.0
+    assert GRACEFUL_WAIT_S <= took < GRACEFUL_WAIT_S + 4.0  # from the interrupt
 
 
 def test_a_rank_blocked_in_a_collective_falls_back_to_the_interrupt(
@@ -195,16 +208,17 @@ def test_a_rank_blocked_in_a_collective_falls_back_to_the_interrupt(
 
 def test_a_second_interrupt_while_the_stop_waits_interrupts_at_once(fresh_session, magics):
     sh = fresh_session
-    sender = _interrupt_at(1.5, 2.0)
-    start = time.monotonic()
+    # The first interrupt once a graceful stop is possible (its wait begins), the second 0.5 s on.
+    sent: list[float] = []
+    sender = once(_both_seen_stepping(magics), lambda: _interrupt_at(0.0, 0.5, sent=sent).join())
     with pytest.raises(JobInterrupted) as info:
         sh.run_cell_magic("distrain", "--no-plot", NO_MORE_STEPS)
-    took = time.monotonic() - start
+    took = time.monotonic() - sent[0]
     sender.join()
     assert str(info.value).startswith(
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1.\n"
     )
-    assert took < 1.5 + GRACEFUL_WAIT_S
+    assert took < GRACEFUL_WAIT_S  # the second did not wait for the first's wait to end
 
 
 def test_a_cell_with_no_step_boundary_is_interrupted_at_once(fresh_session):

@@ -211,7 +211,7 @@ def test_tensorflow_across_two_hosts_needs_expose_tf_and_trains_in_sync(hosts, k
     _ok(kernel.run(f"%distrain connect --profile-dir {profile} --cluster-id {CLUSTER_ID} -n 4"))
 
 
-def test_a_host_cut_off_mid_cell_and_back(hosts, kernel):
+def test_a_host_cut_off_mid_cell_and_back(hosts, kernel, tmp_path):
     """Host b's link goes down in the middle of a cell: its ranks are reported as not
     answering, the engines on host a are neither killed nor restarted, and the next cell trains
     on them with the variables they held; engines started on b once it is back join at the
@@ -224,8 +224,14 @@ def test_a_host_cut_off_mid_cell_and_back(hosts, kernel):
     assert len(engines_a) == 2, engines_a
     long_cell = "import time\nfor step in range(1000):\n" + textwrap.indent(TRAIN, "    ")
     long_cell += "    time.sleep(0.05)\n"
-    kernel.send(f"%%distrain --no-plot\n{long_cell}")
-    time.sleep(4)
+    # The link goes down once every rank runs the cell (a file each writes as it starts).
+    running = [tmp_path / f"running-{r}" for r in range(4)]
+    mark = f"open({str(tmp_path)!r} + f'/running-{{rank}}', 'w').close()\n"
+    kernel.send(f"%%distrain --no-plot\n{mark}{long_cell}")
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the loop's collectives
     cut = time.monotonic()
     h.cut(b)
     result = kernel.result()
