@@ -77,3 +77,10 @@ def once(ready, action, timeout: float = 60.0):
 def once_written(paths, action, timeout: float = 60.0):
     """``once`` every file in ``paths`` exists (the cell's ranks write them)."""
     return once(lambda: all(p.exists() for p in paths), action, timeout)
+
+
+def cell_started(folder, world: int):
+    """A line to put first in a cell, which writes ``folder/running-{rank}`` on each rank, and
+    the files of ranks 0..``world``-1: once they all exist, every rank runs the cell."""
+    line = f"open({str(folder)!r} + f'/running-{{rank}}', 'w').close()\n"
+    return line, [folder / f"running-{r}" for r in range(world)]

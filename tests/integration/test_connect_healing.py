@@ -7,8 +7,6 @@ on alone, see test_connect.py's last test.)"""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +14,8 @@ import time
 import psutil
 import pytest
 
-from nbdist import WorkerDied
-from tests.integration.test_healing import BUILD, TRAIN
-from tests.procs import gone_or_zombie, once_written
+from tests.integration.test_healing import BUILD, TRAIN, train_and_kill
+from tests.procs import gone_or_zombie
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -83,27 +80,10 @@ def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
         assert [done for done, _, _ in sh.user_ns["res"].values] == [3] * 3
         victim = magics.cluster.engines[1]
         before = {e.pid for e in magics.cluster.engines}
-        # Killed once every rank runs the cell (a file each writes as it starts), 0.5 s in.
-        running = [tmp_path / f"running-{r}" for r in range(3)]
-        killed: list[float] = []
-
-        def kill() -> None:
-            time.sleep(0.5)
-            killed.append(time.monotonic())
-            os.kill(victim.pid, signal.SIGKILL)
-
-        killer = once_written(running, kill)
-        sh.user_ns.update(STEPS=1000, PAUSE=0.05)
         capsys.readouterr()
-        with pytest.raises(WorkerDied) as info:
-            sh.run_cell_magic(
-                "distrain",
-                "--no-plot --push STEPS,PAUSE",
-                f"open({str(tmp_path)!r} + f'/running-{{rank}}', 'w').close()\n{TRAIN}",
-            )
-        took = time.monotonic() - killed[0]
-        killer.join()
-        message = str(info.value)
+        error, killed = train_and_kill(sh, tmp_path, [victim.pid], 3)
+        took = time.monotonic() - killed
+        message = str(error)
         assert message.startswith(
             f"rank 1 (host {victim.host}, pid {victim.pid}) stopped answering during the job"
         ), message

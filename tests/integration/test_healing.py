@@ -13,7 +13,7 @@ import pytest
 
 from nbdist import WorkerDied
 from tests.cgroups import memory_cgroup
-from tests.procs import gone_or_zombie, once_written
+from tests.procs import cell_started, gone_or_zombie, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -50,11 +50,11 @@ def _kill(pid):
     assert gone_or_zombie(pid)
 
 
-def _train_and_kill(sh, tmp_path, victims, world):
+def train_and_kill(sh, tmp_path, victims, world):
     """A long training cell (1000 steps of 0.05 s) whose ``victims`` (pids) are killed once
-    every rank of ``world`` runs it (a file each writes as it starts) and 0.5 s on; raises
-    what the cell raised, and returns the kill's time."""
-    running = [tmp_path / f"running-{r}" for r in range(world)]
+    every rank of ``world`` runs it (a file each writes as it starts) and 0.5 s on: the
+    ``WorkerDied`` the cell must raise, and when the kill was (test_connect_healing's too)."""
+    first, running = cell_started(tmp_path, world)
     killed: list[float] = []
 
     def kill() -> None:
@@ -70,7 +70,7 @@ def _train_and_kill(sh, tmp_path, victims, world):
             sh.run_cell_magic(
                 "distrain",
                 "--no-plot --push STEPS,PAUSE",
-                f"open({str(tmp_path)!r} + f'/running-{{rank}}', 'w').close()\n{TRAIN}",
+                first + TRAIN,
             )
     finally:
         killer.join()
@@ -131,7 +131,7 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     sh.run_cell_magic("distrain", "--no-plot", BUILD)
     _train(sh, 3)
     victim = magics.cluster.engines[1].pid
-    error, killed = _train_and_kill(sh, tmp_path, [victim], 2)
+    error, killed = train_and_kill(sh, tmp_path, [victim], 2)
     took = time.monotonic() - killed
     message = str(error)
     assert f"pid {victim}" in message and "rank 1" in message, message
@@ -255,7 +255,7 @@ def test_two_ranks_of_four_killed_at_once_mid_cell(healing, magics, capsys, tmp_
     sh.run_cell_magic("distrain", "--no-plot", BUILD)
     _train(sh, 3)
     pids = [e.pid for e in magics.cluster.engines]
-    error, _ = _train_and_kill(sh, tmp_path, [pids[1], pids[2]], 4)
+    error, _ = train_and_kill(sh, tmp_path, [pids[1], pids[2]], 4)
     assert (
         str(error)
         .splitlines()[-1]

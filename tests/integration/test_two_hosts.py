@@ -18,6 +18,7 @@ import pytest
 
 from tests.hosts import Hosts
 from tests.kernel_proc import KernelProcess
+from tests.procs import cell_started
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
 
@@ -225,9 +226,8 @@ def test_a_host_cut_off_mid_cell_and_back(hosts, kernel, tmp_path):
     long_cell = "import time\nfor step in range(1000):\n" + textwrap.indent(TRAIN, "    ")
     long_cell += "    time.sleep(0.05)\n"
     # The link goes down once every rank runs the cell (a file each writes as it starts).
-    running = [tmp_path / f"running-{r}" for r in range(4)]
-    mark = f"open({str(tmp_path)!r} + f'/running-{{rank}}', 'w').close()\n"
-    kernel.send(f"%%distrain --no-plot\n{mark}{long_cell}")
+    first, running = cell_started(tmp_path, 4)
+    kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
     deadline = time.monotonic() + 60
     while not all(p.exists() for p in running) and time.monotonic() < deadline:
         time.sleep(0.05)
