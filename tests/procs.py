@@ -55,18 +55,27 @@ def gone_or_zombie(pid: int, timeout: float = 10.0) -> bool:
         time.sleep(0.05)
 
 
-def once(ready, action, timeout: float = 60.0):
-    """A started thread that calls ``action()`` once ``ready()`` is true (the cell's ranks are
-    where the test wants them: past a step, ignoring SIGINT, seen logging), or after
-    ``timeout`` seconds, so that a cell is never left running on its own. A fixed delay
-    instead would guess how fast the machine is."""
-    import threading
+def wait_until(ready, timeout: float = 60.0) -> bool:
+    """Wait until ``ready()`` is true (the cell's ranks are where the test wants them: past a
+    step, ignoring SIGINT, seen logging), or ``timeout`` seconds have passed; whether it was.
+    A fixed delay instead would guess how fast the machine is."""
     import time
 
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def once(ready, action, timeout: float = 60.0):
+    """A started thread that calls ``action()`` once ``ready()`` is true, or after ``timeout``
+    seconds (``wait_until``), so that a cell is never left running on its own."""
+    import threading
+
     def wait_then_act() -> None:
-        deadline = time.monotonic() + timeout
-        while not ready() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(ready, timeout)
         action()
 
     thread = threading.Thread(target=wait_then_act)

@@ -474,7 +474,6 @@ class LocalCluster(RankedEngines):
         """An engine process of this cluster that exited while the others start, and the end
         of what it printed (its own error: it could not join the private network, a module in
         the notebook's folder broke its imports, ...); None while they all run."""
-
         for launcher in self._launchers():
             if getattr(launcher, "process", None) is None or launcher.pid in started:
                 continue

@@ -40,9 +40,9 @@ for step in range(STEPS):
 """
 
 
-def _train(sh, steps, pause=0.0, flags="--no-plot"):
+def _train(sh, steps, pause=0.0, flags="--no-plot", first=""):
     sh.user_ns.update(STEPS=steps, PAUSE=pause)
-    return sh.run_cell_magic("distrain", f"{flags} --push STEPS,PAUSE", TRAIN)
+    return sh.run_cell_magic("distrain", f"{flags} --push STEPS,PAUSE", first + TRAIN)
 
 
 def _kill(pid):
@@ -64,14 +64,9 @@ def train_and_kill(sh, tmp_path, victims, world):
             _kill(pid)
 
     killer = once_written(running, kill)
-    sh.user_ns.update(STEPS=1000, PAUSE=0.05)
     try:
         with pytest.raises(WorkerDied) as info:
-            sh.run_cell_magic(
-                "distrain",
-                "--no-plot --push STEPS,PAUSE",
-                first + TRAIN,
-            )
+            _train(sh, 1000, pause=0.05, first=first)
     finally:
         killer.join()
     return info.value, killed[0]

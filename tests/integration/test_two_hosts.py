@@ -18,7 +18,7 @@ import pytest
 
 from tests.hosts import Hosts
 from tests.kernel_proc import KernelProcess
-from tests.procs import cell_started
+from tests.procs import cell_started, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
 
@@ -228,9 +228,7 @@ def test_a_host_cut_off_mid_cell_and_back(hosts, kernel, tmp_path):
     # The link goes down once every rank runs the cell (a file each writes as it starts).
     first, running = cell_started(tmp_path, 4)
     kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
-    deadline = time.monotonic() + 60
-    while not all(p.exists() for p in running) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: all(p.exists() for p in running))
     time.sleep(0.5)  # into the loop's collectives
     cut = time.monotonic()
     h.cut(b)
