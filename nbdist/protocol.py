@@ -10,13 +10,15 @@ the last two, why the points go under a key per batch). The kernel's own records
 :class:`Stall`, :class:`Reason` and :class:`RankState`, are here too, so that the words a job's
 states are spelled with live in one module.
 
-Standard library only: both sides import it, and the engine side imports nothing of the
-kernel's.
+Standard library only at import (cloudpickle, for :class:`Packed`, is imported where it is
+used): both sides import it, and the engine side imports nothing of the kernel's.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
+from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -33,15 +35,101 @@ class _Word(enum.StrEnum):
 
 
 def pickling_error(value: Any) -> Exception | None:
-    """Why ``value`` cannot cross between the notebook and an engine (ipyparallel pickles what
-    it sends), or None when it can."""
-    import pickle
+    """Why ``value`` cannot cross between the notebook and an engine (:func:`pack`), or None
+    when it can."""
+    import cloudpickle
 
     try:
-        pickle.dumps(value)
+        cloudpickle.dumps(value)
     except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
         return e
     return None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Values of the user's that cross between the notebook and the engines, as cloudpickle's
+    bytes (:func:`pack`, :meth:`unpack`).
+
+    ipyparallel pickles what it sends, and pickle sends a class or a function by reference, as
+    its module and name. One defined in a notebook cell or a ``%%distrain`` cell lives in
+    ``__main__``, which the other side does not have: a notebook dataclass pushed to the
+    workers failed there with "Can't get attribute 'Cfg' on <module '__main__'>", and a model
+    of a cell's ``class Net`` pulled to the notebook failed in ipyparallel's receiving thread,
+    which left the pull waiting 60 s for a result that never came. cloudpickle sends what lives
+    in ``__main__`` by value (classes, functions, lambdas, and the globals a function refers
+    to), and whatever is importable by reference, as pickle does. The bytes themselves cross
+    as plain data, so a value that cannot be rebuilt fails in :meth:`unpack`, where it is
+    caught and named, never in ipyparallel's thread.
+
+    A function sent this way takes along the values it refers to, and does not see the other
+    side's variables: pass them as arguments.
+    """
+
+    data: bytes
+    names: tuple[str, ...] = ()  # the variables inside, for messages (empty: one value)
+    unwrapped: tuple[str, ...] = ()  # those that were DDP models: their modules are inside
+
+    def unpack(self, where: str = "") -> Any:
+        """The values, rebuilt; raises :class:`UnpackError` saying which and why (``where``:
+        e.g. " in the notebook")."""
+        import pickle
+
+        try:
+            return pickle.loads(self.data)  # noqa: S301 - this session's own notebook or engine
+        except Exception as e:  # noqa: BLE001 - whatever went wrong is said, with what it was
+            what = ", ".join(self.names) or "the value"
+            raise UnpackError(
+                f"{what} could not be rebuilt{where} ({type(e).__name__}: {e})"
+            ) from e
+
+
+class UnpackError(Exception):
+    """A :class:`Packed` value that could not be rebuilt on this side (a module only the other
+    side can import, say)."""
+
+
+def pack(value: Any, names: tuple[str, ...] = ()) -> Packed:
+    """``value`` as cloudpickle's bytes (see :class:`Packed`); ``names``: what it holds."""
+    import io
+
+    buffer = io.BytesIO()
+    packer(buffer).dump(value)
+    ddp = ddp_type()
+    unwrapped = ()
+    if ddp is not None and names and isinstance(value, dict):
+        unwrapped = tuple(n for n in names if isinstance(value.get(n), ddp))
+    return Packed(buffer.getvalue(), names, unwrapped)
+
+
+def packer(file: Any, pickler: type | None = None) -> Any:
+    """A cloudpickle pickler (or ``pickler``, a subclass of it) writing to ``file``, that
+    sends a ``DistributedDataParallel`` model as the module it wraps: rebuilding one needs a
+    process group, which the notebook does not have (pulling a DDP model failed there with
+    "Default process group has not been initialized")."""
+    import cloudpickle
+
+    cls = pickler or cloudpickle.Pickler
+    ddp = ddp_type()
+    if ddp is not None:  # read when the pickler is made: a class attribute, not an instance's
+        table = ChainMap({ddp: _ddp_module}, cls.dispatch_table)
+        cls = type("ModulesForDDP", (cls,), {"dispatch_table": table})
+    return cls(file)
+
+
+def ddp_type() -> type | None:
+    """torch's ``DistributedDataParallel`` where torch is imported (never imported for it)."""
+    parallel = sys.modules.get("torch.nn.parallel")
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    return ddp if isinstance(ddp, type) else None
+
+
+def _ddp_module(model: Any) -> tuple[Any, ...]:
+    return (_same, (model.module,))
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class Reason(_Word):
@@ -69,6 +157,7 @@ class SessionState(_Word):
 
     OK = "ok"  # the cell succeeded
     KEPT = "kept"  # a rank raised on its own; the group works and the variables stay
+    REBUILT = "rebuilt"  # the group was rebuilt around the variables, every rank keeps its own
     DROPPED = "dropped"  # every rank dropped its variables and its part of the group
     REPLACED = "replaced"  # the engines were replaced: their variables went with them
     HEALED = "healed"  # a lost rank's new engine got a survivor's variables; a new group next
@@ -121,7 +210,7 @@ class RankSpec:
     local_world_size: int
     env: dict[str, str]
     options: dict[str, Any] = field(default_factory=dict)
-    push: dict[str, Any] = field(default_factory=dict)
+    push: Packed | None = None  # --push's notebook variables, a dict by name
     pull: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()  # the ranks that run the cell (--on); empty: all of world_size
     nonce: str = ""  # this run's alone (a graceful stop's keys: nbdist.engine.stopping)
@@ -139,12 +228,12 @@ class RankReport:
     host: str
     pid: int
     failure: RankFailure | None = None
-    value: Any = None  # the last expression's value, when it can be pickled
+    value: Packed | None = None  # the last expression's value, when it can go to the notebook
     value_repr: str | None = None  # its repr; None when the cell has no value
     names: list[str] = field(default_factory=list)  # the session's variables after the run
     messages: int = 0  # metrics messages published (the notebook waits for that many)
     wall: float = 0.0
-    pulled: dict[str, Any] = field(default_factory=dict)  # --pull's values (first rank only)
+    pulled: Packed | None = None  # --pull's values, a dict by name (first rank only)
     pull_error: str | None = None  # a --pull name that failed (the cell itself ran)
     steps: int = 0  # training steps autolog saw (backward()s, Keras batches)
     collectives: int | None = None  # collectives run during the cell; None: not counted

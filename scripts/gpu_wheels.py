@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # What nbdist needs in the notebook kernel and on the engines, beyond the standard library.
 NEEDED = (
+    "cloudpickle",
     "ipyparallel",
     "ipython",
     "ipykernel",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import pickle
 import sys
 import types
 import warnings
@@ -30,25 +29,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from nbdist.protocol import Packed, packer
+
 # Unpickling a value made of these in the notebook would import them there.
 NOT_INTO_THE_NOTEBOOK = frozenset({"tensorflow", "keras", "tf_keras", "jax"})
 
 
-def sendable(value: Any) -> bool:
-    """Whether the cell's value can go to the notebook (see the module docstring)."""
+def packed(value: Any) -> Packed | None:
+    """The cell's value as it goes to the notebook (:class:`~nbdist.protocol.Packed`), or None
+    when it cannot go (see the module docstring): its repr is shown instead."""
+    import cloudpickle
+
     modules: set[str] = set()
 
-    class Spy(pickle.Pickler):
+    class Spy(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
             owner = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
             modules.add(str(getattr(owner, "__module__", "")).split(".")[0])
-            return NotImplemented
+            return super().reducer_override(obj)
 
+    buffer = io.BytesIO()
     try:
-        Spy(io.BytesIO()).dump(value)
+        packer(buffer, Spy).dump(value)
     except Exception:
-        return False
-    return not modules & NOT_INTO_THE_NOTEBOOK
+        return None
+    if modules & NOT_INTO_THE_NOTEBOOK:
+        return None
+    return Packed(buffer.getvalue())
 
 
 def set_up(state: Any) -> None:

@@ -4,16 +4,24 @@ In a data-parallel session every surviving rank holds a whole replica of the mod
 optimizer, so a lost rank can be rebuilt from a survivor instead of every rank losing its
 variables. The notebook (``nbdist.kernel.healing``) runs these on the engines:
 
-1. every survivor :func:`leave_group`: each ``DistributedDataParallel`` in its namespace is
-   replaced by the module it wraps (its parameters are the optimizer's, untouched) and the
-   broken group is destroyed; the wrapped names are kept for step 4;
-2. one survivor :func:`snapshot`: the namespace's variables that can be pickled, in one
-   ``torch.save``, so that objects sharing tensors (a model and its optimizer) still share
-   them on arrival; what cannot be sent is named with why;
+1. every survivor :func:`leave_group`: each ``DistributedDataParallel`` in its namespace (or
+   inside an object of the user's own: a ``Trainer`` keeps one as ``self.model``) is replaced
+   by the module it wraps (its parameters are the optimizer's, untouched) and the broken group
+   is destroyed; where each one was is kept for step 4;
+2. one survivor :func:`snapshot` s its session: the variables that can be pickled, the
+   functions and classes its cells defined, by value (cloudpickle), and its imports, by name,
+   in one ``torch.save``, so that objects sharing tensors (a model and its optimizer) still
+   share them on arrival; what cannot be sent is named with why;
 3. every other rank (the new engine, and the other survivors, which may be a step apart after
-   a collective that completed on some ranks only) :func:`restore` s it;
-4. the next cell's group is new; before the cell runs, every rank wraps the same names in DDP
-   again (:func:`rewrap`), whose constructor broadcasts rank 0's parameters and buffers.
+   a collective that completed on some ranks only) :func:`restore` s it: the cells' imports
+   first, then the rest, its functions bound to the session namespace there (see
+   :func:`_pickler_class`), its tensors on that engine's own device;
+4. the next cell's group is new; before the cell runs, every rank wraps the same models in DDP
+   again where they were (:func:`rewrap`), whose constructor broadcasts rank 0's parameters and
+   buffers.
+
+Steps 1 and 4 alone are also how a group is rebuilt after an error that broke it (a rank
+raised while its peers waited in a collective): every rank keeps its own variables.
 
 TensorFlow cannot do steps 1-2: a ``MultiWorkerMirroredStrategy`` is configured once per
 process for its cluster, and a dead peer poisons the survivors' collectives. Its honest best:
@@ -26,36 +34,240 @@ models in the new strategy's scope, so they are distributed variables again.
 from __future__ import annotations
 
 import io
+import sys
+import types
+from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine.namespace import session_namespace, user_variables
+from nbdist.engine.namespace import CONTEXT_NAMES, is_user_name, session_namespace
 from nbdist.engine.state import engine_state
-from nbdist.protocol import pickling_error
+from nbdist.protocol import ddp_type
 
 SLOT = "healing"
+# How deep leave_group looks for DDP models inside the user's own objects (a pasted
+# ``Trainer`` holds one as ``self.model``): names, then attributes and items of those.
+DDP_DEPTH = 3
 
 
-def leave_group(framework: str) -> dict[str, dict[str, Any]]:
-    """Unwrap this rank's DDP models and destroy its part of the broken group; the variables
-    stay. Returns the names that were DDP models, each with the constructor arguments kept.
-    (Also how a rank that finished frees a peer blocked in a collective, when a rank died and
-    the session will be healed: destroying the group closes its connections.)"""
+@dataclass(frozen=True)
+class Snapshot:
+    """A rank's session, as bytes other ranks can take (:func:`snapshot`, :func:`restore`)."""
+
+    data: bytes
+    sent: list[str]  # the variables in it, functions and classes included
+    modules: list[str]  # the names bound to modules (``np`` for ``import numpy as np``)
+    unsent: dict[str, str] = field(default_factory=dict)  # name -> what it is, why not
+    samplers: list[str] = field(default_factory=list)  # where its DistributedSamplers are
+
+
+def carried(namespace: dict[str, Any]) -> dict[str, Any]:
+    """What a healing carries of ``namespace``: every name the cells made, their imported
+    modules included (a module goes by name, and is imported again where it arrives)."""
+    return {name: value for name, value in namespace.items() if is_user_name(name)}
+
+
+# -- pickling a session ------------------------------------------------------------------------
+def _in_session() -> dict[str, Any]:
+    return session_namespace()
+
+
+class _SessionGlobals:
+    """Stands for "the session namespace of the engine that loads this" in a pickle."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_in_session, ())
+
+
+def _context_value(name: str) -> Any:
+    """Where a snapshot held one of nbdist's context names (``log``, ``strategy``), the loading
+    engine's own (the next cell sets it anew)."""
+    return session_namespace().get(name)
+
+
+def _pickler_class() -> type:
+    """cloudpickle's pickler, with two things of a session's told apart.
+
+    cloudpickle sends a function defined in a cell by value, with a globals dict of its own
+    holding the values it refers to: where it arrives it would go on seeing those objects
+    after the next cell rebinds a name (after a healing, every DDP model is wrapped anew, and
+    a restored ``train()`` would have trained the unwrapped module: no gradient averaging).
+    Here a function whose globals are the session namespace gets the namespace of the engine
+    that loads it instead (cloudpickle's own reduction, with its globals argument replaced).
+    And nbdist's context objects that a function refers to (``log``, a strategy) are not sent:
+    the loading engine's stand in.
+    """
+    import cloudpickle
+    from cloudpickle.cloudpickle import _make_function
+
+    class SessionPickler(cloudpickle.Pickler):
+        def __init__(self, file: Any, protocol: int | None = None, **kwargs: Any) -> None:
+            super().__init__(file, protocol=protocol, **kwargs)
+            namespace = session_namespace()
+            self._session = namespace
+            self._context = {
+                id(value): name
+                for name, value in namespace.items()
+                if name in CONTEXT_NAMES and not isinstance(value, (types.ModuleType, int, str))
+            }
+
+        def reducer_override(self, obj: Any) -> Any:
+            name = self._context.get(id(obj))
+            if name is not None:
+                return (_context_value, (name,))
+            reduced = super().reducer_override(obj)
+            if (
+                isinstance(obj, types.FunctionType)
+                and obj.__globals__ is self._session
+                and isinstance(reduced, tuple)
+                and reduced[0] is _make_function
+            ):
+                code, _, name, defaults, closure = reduced[1]
+                args = (code, _SessionGlobals(), name, defaults, closure)
+                reduced = (reduced[0], args, *reduced[2:])
+            return reduced
+
+    return SessionPickler
+
+
+def _pickle_module() -> types.ModuleType:
+    """``torch.save``'s ``pickle_module`` for a session (:func:`_pickler_class`)."""
+    module = types.ModuleType("nbdist_session_pickle")
+    module.Pickler = _pickler_class()  # type: ignore[attr-defined]
+    return module
+
+
+def dumps(value: Any) -> bytes:
+    """``value`` pickled as a session's (:func:`_pickler_class`)."""
+    buffer = io.BytesIO()
+    _pickler_class()(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def loading() -> Any:
+    """Around loading a session's pickle: cloudpickle sets ``__builtins__`` in the globals of
+    each function it rebuilds (here the session namespace): put back the namespace's own."""
+    import contextlib
+
+    namespace = session_namespace()
+    had = namespace.get("__builtins__", _NONE)
+
+    @contextlib.contextmanager
+    def loading() -> Any:
+        try:
+            yield
+        finally:
+            if had is _NONE:
+                namespace.pop("__builtins__", None)
+            else:
+                namespace["__builtins__"] = had
+
+    return loading()
+
+
+_NONE = object()
+
+
+# -- DDP models, wherever the session keeps them -----------------------------------------------
+Location = tuple[str, tuple[tuple[str, Any], ...]]  # a name, then ("attr", a) / ("item", key)
+
+
+def _label(location: Location) -> str:
+    name, steps = location
+    return name + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps)
+
+
+def _locations(namespace: dict[str, Any], kind: type) -> dict[str, list[Location]]:
+    """Where the session holds objects of ``kind`` (DDP models, distributed samplers): its
+    names, the attributes and items of the user's own objects (a class defined in a cell, a
+    dict, a list), and a data loader's sampler, ``DDP_DEPTH`` deep. One entry per object (a
+    model may be both ``model`` and ``trainer.model``), by the first of its labels in sorted
+    order, which every rank finds alike whatever order its namespace is in."""
+    found: dict[int, list[Location]] = {}
+    seen: set[int] = set()
+    loader = getattr(sys.modules.get("torch.utils.data"), "DataLoader", None)
+
+    def walk(value: Any, location: Location, depth: int) -> None:
+        if isinstance(value, kind):
+            found.setdefault(id(value), []).append(location)
+            return
+        if depth >= DDP_DEPTH or id(value) in seen:
+            return
+        seen.add(id(value))
+        name, steps = location
+        if isinstance(value, dict):
+            items = [(("item", k), v) for k, v in value.items() if isinstance(k, (str, int))]
+        elif isinstance(value, list):
+            items = [(("item", i), v) for i, v in enumerate(value)]
+        elif type(value).__module__ == "__main__" and isinstance(
+            getattr(value, "__dict__", None), dict
+        ):  # an object of a class the cells defined (not a library's: its insides are its own)
+            items = [(("attr", k), v) for k, v in vars(value).items()]
+        elif isinstance(loader, type) and isinstance(value, loader):
+            items = [(("attr", "sampler"), value.sampler)]
+        else:
+            return
+        for step, item in items:
+            walk(item, (name, (*steps, step)), depth + 1)
+
+    for name, value in namespace.items():
+        if is_user_name(name) and not isinstance(value, (type, types.ModuleType)):
+            walk(value, (name, ()), 0)
+    groups = [sorted(places, key=_label) for places in found.values()]
+    return {_label(places[0]): places for places in sorted(groups, key=lambda p: _label(p[0]))}
+
+
+def _get(namespace: dict[str, Any], location: Location) -> Any:
+    name, steps = location
+    value = namespace[name]
+    for kind, key in steps:
+        value = getattr(value, key) if kind == "attr" else value[key]
+    return value
+
+
+def _set(namespace: dict[str, Any], location: Location, value: Any) -> None:
+    name, steps = location
+    if not steps:
+        namespace[name] = value
+        return
+    owner = _get(namespace, (name, steps[:-1]))
+    kind, key = steps[-1]
+    if kind == "attr":
+        setattr(owner, key, value)
+    else:
+        owner[key] = value
+
+
+# -- the steps of a healing --------------------------------------------------------------------
+Wrapped = dict[str, tuple[list[Location], dict[str, Any]]]  # label: where, DDP's arguments
+
+
+def leave_group(framework: str) -> Wrapped:
+    """Unwrap this rank's DDP models (in its names, or inside its own objects: a
+    ``trainer.model``) and destroy its part of the broken group; the variables stay. Returns
+    where each DDP model was, by label, with the constructor arguments kept. (Also how a rank
+    that finished frees a peer blocked in a collective, when a rank died and the session will
+    be healed, and how a group is rebuilt after an error: destroying the group closes its
+    connections.)"""
     import gc
 
     from nbdist.engine import backends
     from nbdist.engine.env import sigint_ignored
 
     namespace = session_namespace()
-    wrapped: dict[str, dict[str, Any]] = {}
-    ddp = _ddp_type()
+    wrapped: Wrapped = {}
+    # A torch group's models only: a TensorFlow cell that failed leaves torch's group alone.
+    ddp = ddp_type() if framework == "torch" else None
     with sigint_ignored():  # as drop_session: a half-left group would hang the next one
         if ddp is not None:
-            for name in [n for n, v in namespace.items() if isinstance(v, ddp)]:
-                model = namespace[name]
-                wrapped[name] = _ddp_arguments(model)
-                namespace[name] = model.module
+            for label, places in _locations(namespace, ddp).items():
+                model = _get(namespace, places[0])
+                wrapped[label] = (places, _ddp_arguments(model))
+                for place in places:
+                    _set(namespace, place, model.module)
             model = None
         gc.collect()  # the DDP objects (and their reducers) held the group
+        if framework == "tf":
+            _keep_keras_models(namespace)
         backends.load(framework).recover(engine_state())
     # A second leave (a rank released to free its peers, then the healing) keeps the first's.
     slot = engine_state().slot(SLOT)
@@ -63,16 +275,68 @@ def leave_group(framework: str) -> dict[str, dict[str, Any]]:
     return wrapped
 
 
+def _keep_keras_models(namespace: dict[str, Any]) -> None:
+    """TensorFlow: the Keras models a new strategy builds again in its scope (:func:`rewrap`),
+    saved whole; their variables belong to the strategy they were built in."""
+    keras = sys.modules.get("keras")
+    if keras is None:
+        return
+    models = {
+        name: _saved(value) for name, value in carried(namespace).items()
+        if isinstance(value, keras.Model)
+    }  # fmt: skip
+    if models:
+        engine_state().slot(SLOT)["keras"] = models
+
+
+def _saved(model: Any) -> bytes:
+    """A Keras model saved whole (``.keras``: architecture, weights, optimizer state)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/model.keras"
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def pending(framework: str = "torch") -> tuple[dict[str, str], list[str]]:
+    """After ``framework``'s group was rebuilt: a digest of each model the next cell wraps in
+    DDP (or builds in a new strategy's scope) again (equal digests, equal models: ``%distrain
+    compare``'s test), by label, and the names of the optimizers, so that the notebook can say
+    whether the replicas still agree."""
+    from nbdist.engine.inspect import digest
+
+    namespace = session_namespace()
+    slot = engine_state().slot(SLOT)
+    if framework == "tf":
+        locations = {name: (name, ()) for name in slot.get("keras", {})}
+    else:
+        locations = {label: places[0] for label, (places, _) in slot.get("rewrap", {}).items()}
+    digests = {}
+    for label, location in locations.items():
+        try:
+            digests[label] = digest(_get(namespace, location))
+        except Exception:  # noqa: BLE001 - gone since, or not a model any more: not compared
+            continue
+    optim = sys.modules.get("torch.optim")
+    kind = getattr(optim, "Optimizer", None)
+    optimizers = sorted(
+        name
+        for name, value in carried(namespace).items()
+        if isinstance(kind, type) and isinstance(value, kind)
+    )
+    return digests, optimizers
+
+
 def sharded() -> list[str]:
     """The variables whose state is split across the ranks (an FSDP2 model, DTensors, an
     optimizer over them): a survivor holds only its own shards, so they cannot be rebuilt."""
-    import sys
-
     tensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if tensor is None:
         return []
     out = []
-    for name, value in user_variables(session_namespace()).items():
+    for name, value in carried(session_namespace()).items():
         if isinstance(value, tensor):
             out.append(name)
             continue
@@ -92,100 +356,192 @@ def sharded() -> list[str]:
     return sorted(out)
 
 
-def snapshot() -> tuple[bytes, list[str], dict[str, str]]:
-    """This rank's variables as bytes (one ``torch.save``), the names in it, and the names
-    that could not be sent with why (an open file, a generator, a data loader's iterator)."""
+def snapshot() -> Snapshot:
+    """This rank's session as bytes (one ``torch.save``, so that objects sharing tensors, a
+    model and its optimizer, still share them on arrival): its variables, the functions and
+    classes its cells defined (by value, bound to the session namespace where they arrive),
+    its imports (by name); what cannot be sent (an open file, a generator, a data loader's
+    iterator) is named with why."""
     import torch
 
-    values = user_variables(session_namespace())
+    values = carried(session_namespace())
     unsent: dict[str, str] = {}
+    module = _pickle_module()
     buffer = io.BytesIO()
     try:  # one pass when everything can go (the usual case: a model twice is its size twice)
-        torch.save(values, buffer)
+        torch.save(values, buffer, pickle_module=module)
     except Exception:  # noqa: BLE001 - then find what cannot go, and send the rest
         for name, value in values.items():
-            e = pickling_error(value)
+            e = _session_pickling_error(value)
             if e is not None:
                 unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
         values = {n: v for n, v in values.items() if n not in unsent}
         buffer = io.BytesIO()
-        torch.save(values, buffer)
-    return buffer.getvalue(), sorted(values), unsent
+        torch.save(values, buffer, pickle_module=module)
+    modules = sorted(n for n, v in values.items() if isinstance(v, types.ModuleType))
+    sent = sorted(n for n in values if n not in modules)
+    samplers = list(_locations(values, _sampler_type() or _Never))
+    return Snapshot(buffer.getvalue(), sent, modules, unsent, samplers)
 
 
-def restore(data: bytes, rewrap: dict[str, dict[str, Any]]) -> list[str]:
-    """Take a survivor's variables (``snapshot``); ``rewrap``: the names the next cell wraps
-    in DDP again. Returns the names restored."""
+class _Never:
+    """A type nothing is an instance of."""
+
+
+def _sampler_type() -> type | None:
+    sampler = getattr(sys.modules.get("torch.utils.data.distributed"), "DistributedSampler", None)
+    return sampler if isinstance(sampler, type) else None
+
+
+def _own_samplers(namespace: dict[str, Any]) -> None:
+    """After a healing gave this rank a survivor's session: each ``DistributedSampler`` (a data
+    loader's shard of the dataset) set to this rank's own shard of the new group, its epoch
+    kept. A survivor's would have this rank read the survivor's shard: every rank alike, the
+    rest of the data never."""
+    import torch.distributed as dist
+
+    sampler = _sampler_type()
+    if sampler is None or not dist.is_initialized():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for places in _locations(namespace, sampler).values():
+        s = _get(namespace, places[0])
+        if (s.rank, s.num_replicas) != (rank, world):
+            epoch = s.epoch
+            # Its own constructor: the shard's size follows from the group's.
+            s.__init__(
+                s.dataset, num_replicas=world, rank=rank, shuffle=s.shuffle, seed=s.seed,
+                drop_last=s.drop_last,
+            )  # fmt: skip
+            s.epoch = epoch
+
+
+def _session_pickling_error(value: Any) -> Exception | None:
+    try:
+        dumps(value)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
+        return e
+    return None
+
+
+def restore(
+    snap: Snapshot,
+    rewrap: Wrapped,
+    imports: tuple[str, ...] = (),
+) -> list[str]:
+    """Take a survivor's session (:func:`snapshot`); ``rewrap``: where the next cell wraps
+    DDP models again; ``imports``: the dotted modules the cells imported (``import a.b``
+    binds only ``a``), imported first. Returns the names restored."""
     import torch
 
-    values = torch.load(io.BytesIO(data), weights_only=False)
+    _import_all(imports)
+    state = engine_state()
+    index = state.cuda_index
+
+    def location(storage: Any, where: str) -> Any:
+        # The survivor's tensors were on its own GPU: here, on this engine's.
+        return storage.cuda(index) if index is not None and where.startswith("cuda") else storage
+
+    with loading():
+        values = torch.load(io.BytesIO(snap.data), map_location=location, weights_only=False)
     namespace = session_namespace()
     namespace.update(values)
-    engine_state().slot(SLOT)["rewrap"] = rewrap
+    state.slot(SLOT).update(rewrap=rewrap, resample=True)
     return sorted(values)
 
 
-def keras_snapshot() -> tuple[bytes, list[str], dict[str, str]]:
-    """TensorFlow: this rank's variables as bytes, the names in them, and what could not be
-    sent with why. Keras models go whole (``model.save``); other TensorFlow objects (a dataset,
-    a tensor of the old strategy, the strategy itself) cannot: the new engines have a new
-    strategy, and they must be made in its scope again."""
+def _import_all(names: tuple[str, ...]) -> None:
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - as the cell that imported it would now fail: its turn
+            continue
+
+
+def keras_snapshot() -> Snapshot:
+    """TensorFlow: this rank's session as bytes. Keras models go whole (``model.save``); other
+    TensorFlow objects (a dataset, a tensor of the old strategy, the strategy itself) cannot:
+    the new engines have a new strategy, and they must be made in its scope again. The rest
+    goes as :func:`snapshot` sends it (functions and classes by value, modules by name)."""
     import pickle
-    import tempfile
 
     import keras
 
     models: dict[str, bytes] = {}
     plain: dict[str, bytes] = {}
     unsent: dict[str, str] = {}
-    for name, value in user_variables(session_namespace()).items():
+    modules: list[str] = []
+    for name, value in carried(session_namespace()).items():
         module = type(value).__module__.split(".")[0]
         if isinstance(value, keras.Model):
-            with tempfile.TemporaryDirectory() as folder:
-                path = f"{folder}/{name}.keras"
-                value.save(path)
-                with open(path, "rb") as f:
-                    models[name] = f.read()
+            models[name] = _saved(value)
         elif module in ("keras", "tensorflow", "tf_keras"):
             unsent[name] = f"{type(value).__name__}: TensorFlow object of the old strategy"
         else:
             try:
-                plain[name] = pickle.dumps(value)
+                plain[name] = dumps(value)
             except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
                 unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
-    return pickle.dumps((models, plain)), sorted([*models, *plain]), unsent
+                continue
+            if isinstance(value, types.ModuleType):
+                modules.append(name)
+    sent = sorted(n for n in [*models, *plain] if n not in modules)
+    return Snapshot(pickle.dumps((models, plain)), sent, sorted(modules), unsent)
 
 
-def keep_for_strategy(data: bytes) -> list[str]:
-    """TensorFlow, on a new engine: take a survivor's variables (:func:`keras_snapshot`); the
+def keep_for_strategy(snap: Snapshot, imports: tuple[str, ...] = ()) -> list[str]:
+    """TensorFlow, on a new engine: take a survivor's session (:func:`keras_snapshot`); the
     Keras models among them are built at the next cell, in its strategy's scope
     (:func:`rewrap`). Returns the names of those models."""
     import pickle
 
-    models, plain = pickle.loads(data)  # noqa: S301 - from this session's own engine
+    _import_all(imports)
+    models, plain = pickle.loads(snap.data)  # noqa: S301 - from this session's own engine
     namespace = session_namespace()
-    namespace.update({name: pickle.loads(value) for name, value in plain.items()})  # noqa: S301
+    with loading():
+        namespace.update({name: pickle.loads(value) for name, value in plain.items()})  # noqa: S301
     engine_state().slot(SLOT)["keras"] = models
     return sorted(models)
 
 
-def rewrap(namespace: dict[str, Any], names: dict[str, Any] | None = None) -> list[str]:
-    """Before the first cell on a new group: wrap the models a healing unwrapped in DDP again,
-    in the same order on every rank (each constructor is a collective); TensorFlow: load the
-    Keras models a healing kept in the new strategy's scope (``names["strategy"]``). Returns
-    their names."""
-    models = engine_state().slot(SLOT).pop("keras", None)
-    if models:
-        return _load_keras(namespace, models, names or {})
-    wrapped = engine_state().slot(SLOT).pop("rewrap", None)
+def rewrap(
+    namespace: dict[str, Any], names: dict[str, Any] | None = None, framework: str = "torch"
+) -> list[str]:
+    """Before the first cell of ``framework`` on a new group: wrap the models a healing (or a
+    rebuilt group) unwrapped in DDP again, where they were, in the same order on every rank
+    (each constructor is a collective), on this engine's GPU; TensorFlow: load the Keras models
+    kept in the new strategy's scope (``names["strategy"]``). What is kept for the other
+    framework waits for its next cell. Returns their labels."""
+    state = engine_state()
+    if framework == "tf":
+        models = state.slot(SLOT).pop("keras", None)
+        return _load_keras(namespace, models, names or {}) if models else []
+    if state.slot(SLOT).pop("resample", False):
+        _own_samplers(namespace)
+    wrapped = state.slot(SLOT).pop("rewrap", None)
     if not wrapped:
         return []
     from torch.nn.parallel import DistributedDataParallel
 
-    names = sorted(n for n in wrapped if n in namespace)  # dropped since: nothing to wrap
-    for name in names:
-        namespace[name] = DistributedDataParallel(namespace[name], **wrapped[name])
-    return names
+    done = []
+    for label in sorted(wrapped):
+        places, kwargs = wrapped[label]
+        try:
+            module = _get(namespace, places[0])
+        except (KeyError, AttributeError, IndexError, TypeError):  # dropped since
+            continue
+        if isinstance(module, DistributedDataParallel):  # wrapped again by the user
+            continue
+        if "device_ids" in kwargs and state.cuda_index is not None:
+            kwargs = {**kwargs, "device_ids": [state.cuda_index], "output_device": state.cuda_index}
+        model = DistributedDataParallel(module, **kwargs)
+        for place in places:  # one wrapper wherever the one model was
+            if _get(namespace, place) is module:
+                _set(namespace, place, model)
+        done.append(label)
+    return done
 
 
 def _load_keras(namespace: dict[str, Any], models: dict[str, bytes], names: dict[str, Any]):
@@ -226,8 +582,3 @@ def _ddp_arguments(model: Any) -> dict[str, Any]:
     return kwargs
 
 
-def _ddp_type() -> type | None:
-    import sys
-
-    parallel = sys.modules.get("torch.nn.parallel")
-    return getattr(parallel, "DistributedDataParallel", None)

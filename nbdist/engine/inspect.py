@@ -217,6 +217,12 @@ def flatten(value: Any) -> dict[str, Any]:
     return dict(_walk(value, "", frozenset()))
 
 
+def digest(value: Any) -> str:
+    """A short hash of ``value``'s leaves (:func:`flatten`): equal for values ``compare``
+    calls identical."""
+    return _digest(_walk(value, "", frozenset()))
+
+
 def _hash_leaf(hasher: Any, leaf: Any) -> None:
     """Feed one leaf so that leaves ``compare`` calls equal hash equal (-0.0 == 0.0, NaN == NaN)."""
     if isinstance(leaf, complex) and cmath.isnan(leaf):

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
-from nbdist.protocol import MemoryReport, pickling_error
+from nbdist.protocol import MemoryReport, Packed, pack, pickling_error
 
 
 def reset() -> MemoryReport:
@@ -22,29 +22,100 @@ def reset() -> MemoryReport:
     return replace(memory(), dropped=dropped)
 
 
-def pull(names: list[str], namespace: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{name: value}`` for ``names``; raises ``NameError``/``TypeError`` naming the first one
-    that is missing or cannot be pickled, and what to pull instead."""
+def pull(names: list[str], namespace: dict[str, Any] | None = None) -> Packed:
+    """``{name: value}`` for ``names``, packed for the notebook (classes and functions of the
+    cells go by value); raises ``NameError``/``TypeError`` naming the first one that is missing
+    or cannot be sent, and what to pull instead."""
     namespace = session_namespace() if namespace is None else namespace
     out = {}
     for name in names:
         if name not in namespace:
             raise NameError(f"no variable {name!r} on this worker")
-        value = namespace[name]
-        e = pickling_error(value)
-        if e is not None:
-            raise TypeError(
-                f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
-                f"({type(e).__name__}); pull a plain value instead, e.g. {name}.state_dict(), "
-                f"{name}.tolist() or {name}.get_weights()"
-            ) from None
-        out[name] = value
-    return out
+        out[name] = namespace[name]
+    try:
+        return pack(out, tuple(names))
+    except Exception:  # noqa: BLE001 - find which one, and say what to pull instead
+        for name, value in out.items():
+            e = pickling_error(value)
+            if e is not None:
+                raise TypeError(
+                    f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
+                    f"({type(e).__name__}); pull a plain value instead, e.g. "
+                    f"{name}.state_dict(), {name}.tolist() or {name}.get_weights()"
+                ) from None
+        raise
 
 
-def push(values: dict[str, Any]) -> list[str]:
-    session_namespace().update(values)
-    return sorted(values)
+def push(values: Packed) -> list[str]:
+    """Take the notebook's ``%distrain push`` values (rebuilt here: a failure names them)."""
+    unpacked = values.unpack(" on this worker")
+    session_namespace().update(unpacked)
+    return sorted(unpacked)
+
+
+def states(names: list[str]) -> bytes:
+    """``%distrain sync``'s source: each of ``names`` as the other ranks take it (see
+    :func:`take`), pickled as a healing pickles a session (functions and classes by value)."""
+    from nbdist.engine.healing import dumps
+
+    namespace = session_namespace()
+    out = {}
+    for name in names:
+        if name not in namespace:
+            raise NameError(f"no variable {name!r} on this worker")
+        value = _unwrapped(namespace[name])
+        kind = _kind(value)
+        if kind == "keras":
+            out[name] = (kind, value.get_weights())
+        else:
+            out[name] = (kind, value.state_dict() if kind else value)
+    return dumps(out)
+
+
+def take(data: bytes) -> list[str]:
+    """``%distrain sync`` elsewhere: a model's or an optimizer's state is loaded into the one
+    here, in place (the optimizer goes on stepping the same parameters, the DDP wrapper goes on
+    averaging them); anything else is replaced. Returns the names taken in place."""
+    import pickle
+
+    from nbdist.engine.healing import loading
+
+    namespace = session_namespace()
+    with loading():
+        values = pickle.loads(data)  # noqa: S301 - from this session's own engine
+    in_place = []
+    for name, (kind, value) in values.items():
+        here = _unwrapped(namespace.get(name))
+        if kind is not None and _kind(here) == kind:
+            if kind == "keras":
+                here.set_weights(value)
+            else:
+                here.load_state_dict(value)
+            in_place.append(name)
+        else:
+            namespace[name] = value
+    return sorted(in_place)
+
+
+def _unwrapped(value: Any) -> Any:
+    from nbdist.protocol import ddp_type
+
+    ddp = ddp_type()
+    return value.module if ddp is not None and isinstance(value, ddp) else value
+
+
+def _kind(value: Any) -> str | None:
+    """"module", "optimizer" or "keras" (a model) for what :func:`take` loads in place; None
+    for the rest."""
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(value, keras.Model):
+        return "keras"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return "module"
+    if torch is not None and isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    return None
 
 
 def describe_all() -> list[dict[str, Any]]:

@@ -37,10 +37,12 @@ from nbdist.engine.waiting import WhereReporter
 from nbdist.protocol import (
     STOPPING_KEY,
     EngineReport,
+    Packed,
     Prepared,
     RankFailure,
     RankReport,
     RankSpec,
+    UnpackError,
 )
 
 __all__ = [
@@ -172,7 +174,8 @@ def run_rank(spec: RankSpec) -> RankReport:
     state.recorder = recorder
     try:
         with patch_environment(spec.env), backend.session(spec, state) as names:
-            healing.rewrap(session_namespace(), names)  # what a healing left for the new group
+            # What a healing (or a rebuilt group) left for the new group.
+            healing.rewrap(session_namespace(), names, spec.framework)
             namespace.update(names)
             namespace.update(
                 log=recorder,
@@ -182,16 +185,17 @@ def run_rank(spec: RankSpec) -> RankReport:
                 local_world_size=spec.local_world_size,
                 is_main=spec.rank == 0,
             )
-            namespace.update(spec.push)
+            if spec.push is not None:
+                namespace.update(_pushed(spec.push))
             display.set_up(state)
             stopping.begin(_stopper(spec, state, backend, publish))
             with interrupts_kept(), _exits_end_the_cell(namespace), display.cell_figures():
                 value = run_source(spec.source, spec.filename, namespace)
-            report.value = value if display.sendable(value) else None
+            report.value = display.packed(value)
             report.value_repr = None if value is None else _repr(value)
             del value
             try:  # the cell itself succeeded: a wrong --pull name must not fail the rank
-                report.pulled = _pull(namespace, spec.pull, spec.rank) if spec.pull else {}
+                report.pulled = _pull(namespace, spec.pull, spec.rank) if spec.pull else None
             except _PullError as e:
                 report.pull_error = str(e)
     except stopping.StopAtStep as stop:  # a graceful stop: the cell ends, the session stays
@@ -235,7 +239,7 @@ def join_group(spec: RankSpec) -> None:
     ``--on`` cell leaves out do this, since the set-up needs every rank."""
     state = engine_state()
     with patch_environment(spec.env), backends.load(spec.framework).session(spec, state) as names:
-        healing.rewrap(session_namespace(), names)
+        healing.rewrap(session_namespace(), names, spec.framework)
 
 
 def check_group(framework: str, *, timeout: float) -> str | None:
@@ -258,15 +262,18 @@ def drop_session(framework: str) -> list[str]:
     return dropped
 
 
-def release(framework: str) -> tuple[bool, list[str]]:
-    """Free the peers blocked in a collective with this rank, keeping its variables for a
-    healing where they can heal one: returns whether they were kept, and the names dropped.
-    Sharded state (FSDP2, DTensors) cannot heal a lost rank, and its device mesh holds the
-    group open (destroying the group then freed nobody): it is dropped, as drop_session does."""
-    if healing.sharded():
-        return False, drop_session(framework)
+def release(framework: str) -> tuple[bool, list[str], list[str]]:
+    """Leave the group, keeping this rank's variables (``healing.leave_group``): how peers
+    blocked in a collective with it are freed, and how the group is rebuilt after an error.
+    Returns whether they were kept, the names dropped, and the sharded ones that made it drop
+    them: sharded state (FSDP2, DTensors) cannot be rebuilt on a new group, and its device
+    mesh holds the group open (destroying the group then freed nobody), so it is dropped, as
+    drop_session does."""
+    split = healing.sharded()
+    if split:
+        return False, drop_session(framework), split
     healing.leave_group(framework)
-    return True, []
+    return True, [], []
 
 
 class _EndCell:
@@ -343,11 +350,19 @@ def _publisher() -> Any:
     return publish
 
 
+def _pushed(push: Packed) -> dict[str, Any]:
+    """``--push``'s values, rebuilt on this engine (a failure is the rank's, named)."""
+    try:
+        return push.unpack(" on this worker")
+    except UnpackError as e:
+        raise UnpackError(f"--push {e}") from None
+
+
 class _PullError(Exception):
     pass
 
 
-def _pull(namespace: dict[str, Any], names: tuple[str, ...], rank: int) -> dict[str, Any]:
+def _pull(namespace: dict[str, Any], names: tuple[str, ...], rank: int) -> Packed:
     from nbdist.engine.session_ops import pull
 
     try:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from nbdist.engine import backends, worker
+from nbdist.engine import backends, healing, worker
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.profiling import SKIP_STEPS
 from nbdist.errors import ClusterError, DistrainError, JobInterrupted, WorkerError
@@ -55,7 +55,7 @@ from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import imported_modules
-from nbdist.protocol import RankSpec, Reason, SessionState
+from nbdist.protocol import RankSpec, Reason, SessionState, UnpackError, pack
 
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
@@ -75,6 +75,7 @@ class Plan:
     world: int
     specs: list[RankSpec]
     left_out: list[RankSpec]
+    push: dict[str, Any] = field(default_factory=dict)  # --push's values, as in the notebook
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Cell:
         self.tree = tree
         self.user_ns = user_ns
         self.job: Job | None = None
+        self.replicas: Replicas | None = None  # after a rebuilt group: do the replicas agree
+        self.sharded: list[str] = []  # the variables a rebuild had to drop with the group
 
     @property
     def cluster(self) -> Cluster:
@@ -132,6 +135,7 @@ class Cell:
         framework = prepare.choose_framework(self.tree, opts, session.framework)
         prepare.check_flags(opts, framework)
         push = prepare.check_push(opts.push, self.user_ns)
+        packed = pack(push, tuple(push)) if push else None  # once, not once per rank
         if opts.check:
             session.report_findings(source, opts.workers or self.cluster.size or None)
         options = prepare.backend_options(opts)
@@ -176,7 +180,7 @@ class Cell:
                 local_world_size=min(e.local_world_size, world),
                 env=envs[e.rank],
                 options=options,
-                push=push,
+                push=packed,
                 pull=opts.pull if e.rank == job_ranks[0] else (),
                 ranks=tuple(job_ranks) if opts.on is not None else (),
                 nonce=nonce,
@@ -188,7 +192,9 @@ class Cell:
         ]
         specs = [every[r] for r in job_ranks]
         left_out = [s for s in every if s.rank not in job_ranks]
-        return Plan(framework=framework, world=world, specs=specs, left_out=left_out)
+        return Plan(
+            framework=framework, world=world, specs=specs, left_out=left_out, push=push
+        )
 
     # -- 2. submit and watch ---------------------------------------------------------------------
     def submit(self, plan: Plan) -> Job:
@@ -210,7 +216,7 @@ class Cell:
         self.job = Job(
             self.cluster, plan.specs, opts=opts, live=live_view, out=session.out,
             err=session.err, world=plan.world, left_out=plan.left_out,
-            display=session.display if session.live_progress else None, heal=session.heal_lost,
+            display=session.display if session.live_progress else None,
         )  # fmt: skip
         return self.job
 
@@ -226,7 +232,7 @@ class Cell:
         said: list[str] = []  # healed: the error's last line says so; else why not, now
         outcome.healed = session.heal(
             lost, framework=framework, variables=held, notify=said.append,
-            interrupted=outcome.watch.reason == Reason.INTERRUPT,
+            interrupted=outcome.watch.reason == Reason.INTERRUPT, running=self.tree,
         )  # fmt: skip
         if outcome.healed is not None:
             return
@@ -265,11 +271,19 @@ class Cell:
         )
         if own_errors and self._group_works(framework, list(range(outcome.world))):
             return SessionState.KEPT, []
-        everyone = [r for r in range(cluster.size) if r not in outcome.released]
         still = {outcome.ranks[p] for p in watch.abandoned}
-        return SessionState.DROPPED, self.drop(
-            framework, everyone, already=outcome.dropped, queued=still
-        )
+        if outcome.released:  # sharded state, dropped with the group where a rank was freed
+            self.sharded = sorted(outcome.sharded)
+            everyone = [r for r in range(cluster.size) if r not in outcome.released]
+            return SessionState.DROPPED, self.drop(
+                framework, everyone, already=outcome.dropped, queued=still
+            )
+        # Anything else that may have broken the group (a rank raised while others waited in a
+        # collective, an interrupt, --timeout, a stall): it is rebuilt around the variables,
+        # as a healing does, and every rank keeps its own.
+        leaving = [r for r in range(cluster.size) if r not in outcome.left]
+        state, dropped = self.rebuild(framework, leaving, queued=still)
+        return state, dropped
 
     def _group_works(self, framework: str, ranks: list[int]) -> bool:
         try:
@@ -301,6 +315,34 @@ class Cell:
             queued=queued,
         )  # fmt: skip
 
+    def rebuild(
+        self, framework: str, ranks: list[int], *, queued: set[int] = frozenset()
+    ) -> tuple[SessionState, list[str]]:
+        """Every rank in ``ranks`` leaves the group with its variables kept (DDP models
+        unwrapped, wrapped again by the next cell on a new group: ``worker.release``); the
+        state, and the names dropped. Sharded state (FSDP2) cannot be kept: a rank that holds
+        some drops its variables, and then every rank does. A rank that does not confirm in
+        time gets the engines replaced."""
+        cluster = self.cluster
+        if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+            self.session.rendezvous.pop(framework, None)
+        answers, stuck = ask(cluster, ranks, worker.release, framework, queued=queued)
+        if stuck:
+            why = f"rank {stuck[0]} could not leave its process group cleanly"
+            cluster.replace_engines(why=why)
+            return SessionState.REPLACED, []
+        if any(not kept for kept, _, _ in answers.values()):
+            dropped = {n for kept, names, _ in answers.values() if not kept for n in names}
+            self.sharded = sorted({n for _, _, split in answers.values() for n in split})
+            kept_ranks = [r for r, (kept, _, _) in answers.items() if kept]
+            return SessionState.DROPPED, self.drop(
+                framework, kept_ranks, already=dropped, queued=queued
+            )
+        self.replicas = replicas(
+            cluster, [r for r in range(cluster.size) if r not in queued], framework
+        )
+        return SessionState.REBUILT, []
+
     # -- 4. result -------------------------------------------------------------------------------
     def result(
         self, outcome: Outcome, plan: Plan, state: SessionState, dropped: list[str]
@@ -323,8 +365,10 @@ class Cell:
         segment = live_view.agg.segment()
         if segment is not None:
             session.curve = [*session.curve, segment] if live_view.continued else [segment]
-            # A healing in this cell made its models new objects: the next cell's curve goes on.
-            session.curve_key = HEALED if outcome.healed is not None else live_view.key
+            # A healing or a rebuilt group made its models new objects (wrapped again): the
+            # next cell's curve goes on.
+            renewed = outcome.healed is not None or state == SessionState.REBUILT
+            session.curve_key = HEALED if renewed else live_view.key
         show_displays(outcome.ars, outcome.ranks, session.publish)
         profile = self._profile(outcome) if opts.profile else None
         cluster = self.cluster
@@ -338,8 +382,17 @@ class Cell:
             lost = sorted({*dropped, *session.variables})
         elif state == SessionState.DROPPED:
             lost = dropped
+        held: list[str] = []
+        if state in (SessionState.KEPT, SessionState.REBUILT):  # what every rank holds now
+            reported = (r.names for r in outcome.reports.values())
+            held = sorted(set(session.variables).union(*reported))
         if error is not None:
-            line = failures.state_line(state, lost, connected_stale=cluster.stale)
+            raised = error.ranks if isinstance(error, WorkerError) else []
+            line = failures.state_line(
+                state, held if state in (SessionState.KEPT, SessionState.REBUILT) else lost,
+                connected_stale=cluster.stale, replicas=self.replicas, sharded=self.sharded,
+                framework=plan.framework, raised=raised,
+            )  # fmt: skip
             if outcome.healed is not None:
                 said = outcome.healed.text()
                 line = said[0].upper() + said[1:]
@@ -347,7 +400,7 @@ class Cell:
             if outcome.watch.abandoned:
                 still = [cluster.engines[outcome.ranks[p]] for p in outcome.watch.abandoned]
                 error.state = "\n".join(filter(None, [error.state, failures.still_running(still)]))
-            return CellOutcome(state=state, lost=lost, error=error)
+            return CellOutcome(state=state, lost=lost, error=error, names=held)
         reports = outcome.reports
         warnings: tuple[str, ...] = ()
         if opts.on is None:
@@ -358,6 +411,12 @@ class Cell:
                 print(warning, file=session.err, flush=True)
                 warnings = (warning,)
         pull_errors = [r.pull_error for r in reports.values() if r.pull_error]
+        pulled: dict[str, Any] = {}
+        if reports[0].pulled is not None and not pull_errors:
+            try:
+                pulled = reports[0].pulled.unpack(" in the notebook")
+            except UnpackError as e:
+                pull_errors = [f"--pull {e} (rank {outcome.ranks[0]})"]
         stopped_at = {r.rank: r.stopped_at for r in reports.values() if r.stopped_at is not None}
         return CellOutcome(
             # A graceful stop: the cell's outcome is kept as a finished cell's is, and the
@@ -365,9 +424,9 @@ class Cell:
             error=failures.graceful_stop(stopped_at) if stopped_at else None,
             state=state,
             lost=lost,
-            result=_result(outcome, plan.framework, warnings, profile),
+            result=_result(outcome, plan.framework, warnings, profile, err=session.err),
             names=reports[0].names,
-            pulled=reports[0].pulled,
+            pulled=pulled,
             pull_error=pull_errors[0] if pull_errors else None,
             warnings=warnings,
             plan=plan,
@@ -433,27 +492,70 @@ def drop(
     # rendezvous: some ranks may have destroyed their part of it already.
     if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
         rendezvous.pop(framework, None)
-    names = set(already or ())
-    ars = {r: cluster.apply_async(r, worker.drop_session, framework) for r in ranks}
-    deadline = time.monotonic() + DROP_WAIT_S
-    stuck = []
-    for r, ar in ars.items():
-        if r in queued:
-            continue
-        try:
-            names.update(ar.get(max(0.0, deadline - time.monotonic())))
-        except Exception:
-            stuck.append(r)
+    answers, stuck = ask(cluster, ranks, worker.drop_session, framework, queued=queued)
+    names = set(already or ()).union(*answers.values())
     if stuck:
         why = f"rank {stuck[0]} could not leave its process group cleanly"
         cluster.replace_engines(why=why)
     return sorted(names)
 
 
+def ask(
+    cluster: Cluster, ranks: list[int], fn: Any, *args: Any, queued: set[int] = frozenset()
+) -> tuple[dict[int, Any], list[int]]:
+    """``fn(*args)`` on every rank in ``ranks``, each answer awaited up to ``DROP_WAIT_S`` in
+    all: the answers by rank, and the ranks that gave none (in ``queued``: not awaited)."""
+    ars = {r: cluster.apply_async(r, fn, *args) for r in ranks}
+    deadline = time.monotonic() + DROP_WAIT_S
+    answers, stuck = {}, []
+    for r, ar in ars.items():
+        if r in queued:
+            continue
+        try:
+            answers[r] = ar.get(max(0.0, deadline - time.monotonic()))
+        except Exception:
+            stuck.append(r)
+    return answers, stuck
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """After a rebuilt group: the models the next cell wraps in DDP again, which of them differ
+    between ranks (label -> the ranks whose copy is not rank 0's), and the optimizers."""
+
+    models: tuple[str, ...] = ()
+    differ: dict[str, list[int]] = field(default_factory=dict)
+    optimizers: tuple[str, ...] = ()
+
+
+def replicas(cluster: Cluster, ranks: list[int], framework: str) -> Replicas | None:
+    """What each rank holds after a rebuilt group (``healing.pending``), compared; None when a
+    rank does not say."""
+    answers, stuck = ask(cluster, ranks, healing.pending, framework)
+    if stuck or 0 not in answers:
+        return None
+    digests, optimizers = answers[0]
+    differ = {
+        label: [r for r in sorted(answers) if answers[r][0].get(label) != digest]
+        for label, digest in digests.items()
+    }
+    return Replicas(
+        models=tuple(sorted(digests)),
+        differ={label: ranks for label, ranks in differ.items() if ranks},
+        optimizers=tuple(optimizers),
+    )
+
+
 def _result(
-    outcome: Outcome, framework: str, warnings: tuple[str, ...] = (), profile: Any = None
+    outcome: Outcome,
+    framework: str,
+    warnings: tuple[str, ...] = (),
+    profile: Any = None,
+    *,
+    err: Any = None,
 ) -> DistrainResult:
     reports = outcome.reports
+    values = {p: _value(r, outcome.ranks[p], err) for p, r in reports.items()}
     return DistrainResult(
         framework=framework,
         warnings=warnings,
@@ -464,7 +566,7 @@ def _result(
             RankResult(
                 rank=rank,
                 host=reports[p].host,
-                value=reports[p].value,
+                value=values[p],
                 value_repr=reports[p].value_repr,
                 wall=reports[p].wall,
                 stdout=outcome.ars[p].stdout or "",
@@ -474,6 +576,18 @@ def _result(
         ),
         history=tuple({**h, "rank": outcome.ranks[h["rank"]]} for h in outcome.history),
     )
+
+
+def _value(report: Any, rank: int, err: Any) -> Any:
+    """A rank's value, rebuilt in the notebook; None (its repr is shown) where it cannot be,
+    with a line saying why."""
+    if report.value is None:
+        return None
+    try:
+        return report.value.unpack(" in the notebook")
+    except UnpackError as e:
+        print(f"nbdist: rank {rank}'s {e}; its repr is shown", file=err, flush=True)
+        return None
 
 
 def _check_ranks(opts: RunOptions, world: int) -> None:

@@ -12,6 +12,7 @@ from nbdist.kernel.engines import gather
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
+from nbdist.protocol import UnpackError, pack
 from nbdist.ranks import MANY_RANKS
 
 COMMAND_TIMEOUT_S = 60.0
@@ -32,11 +33,14 @@ def _running(session: Session, what: str) -> None:
         )
 
 
-def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
-    """``fn(*args)`` on every rank, in rank order; a remote error becomes a UsageError that
-    names the rank."""
+def _on_all(
+    session: Session, what: str, fn: Any, *args: Any, ranks: list[int] | None = None
+) -> list[Any]:
+    """``fn(*args)`` on every rank (or those in ``ranks``), in rank order; a remote error
+    becomes a UsageError that names the rank."""
     cluster = session.cluster
-    ars = [cluster.apply_async(e.rank, fn, *args) for e in cluster.engines]
+    ranks = [e.rank for e in cluster.engines] if ranks is None else ranks
+    ars = [cluster.apply_async(r, fn, *args) for r in ranks]
 
     def late(rank: int) -> UsageError:
         return UsageError(
@@ -48,11 +52,13 @@ def _on_all(session: Session, what: str, fn: Any, *args: Any) -> list[Any]:
     def failed(rank: int, e: Exception) -> UsageError:
         return UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}")
 
-    return gather(range(len(ars)), ars, COMMAND_TIMEOUT_S, late=late, failed=failed)
+    return gather(ranks, ars, COMMAND_TIMEOUT_S, late=late, failed=failed)
 
 
 def _remote_message(e: Exception) -> str:
     ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
+    if isinstance(e, UnpackError) or ename == UnpackError.__name__:  # it says what and why
+        return str(evalue if ename else e)
     return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
 
 
@@ -81,19 +87,29 @@ def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str,
             f"{session.cluster.size - 1}."
         )
     try:
-        values = session.cluster.apply_async(rank, session_ops.pull, list(names)).get(
+        packed = session.cluster.apply_async(rank, session_ops.pull, list(names)).get(
             COMMAND_TIMEOUT_S
         )
+        values = packed.unpack(" in the notebook")
     except Exception as e:
         raise UsageError(f"%distrain pull: rank {rank}: {_remote_message(e)}") from None
     user_ns.update(values)
-    return f"nbdist: pulled {', '.join(names)} from rank {rank}"
+    said = f"nbdist: pulled {', '.join(names)} from rank {rank}"
+    if packed.unwrapped:
+        which = ", ".join(packed.unwrapped)
+        one = len(packed.unwrapped) == 1
+        said += (
+            f" ({which} {'is a' if one else 'are'} DistributedDataParallel "
+            f"model{'' if one else 's'} on the workers: the notebook has no process group, so "
+            f"it got the module{'' if one else 's'} {'it wraps' if one else 'they wrap'})"
+        )
+    return said
 
 
 def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> str:
     values = check_push(names, user_ns, flag="%distrain push")
     _running(session, "push")
-    _on_all(session, "push", session_ops.push, values)
+    _on_all(session, "push", session_ops.push, pack(values, names))
     session.variables = sorted({*session.variables, *names})
     session.cells.append(
         CellRecord(
@@ -106,6 +122,28 @@ def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> s
         )  # fmt: skip
     )
     return f"nbdist: pushed {', '.join(names)} to every worker"
+
+
+def sync(session: Session, names: tuple[str, ...], source: int) -> str:
+    """``%distrain sync NAME[,NAME] [--from R]``: every other rank takes rank ``source``'s
+    ``names`` (models and optimizers in place, anything else replaced)."""
+    _running(session, "sync")
+    size = session.cluster.size
+    if not 0 <= source < size:
+        raise UsageError(
+            f"%distrain sync: --from {source} does not exist; ranks go from 0 to {size - 1}."
+        )
+    try:
+        data = session.cluster.apply_async(source, session_ops.states, list(names)).get(
+            COMMAND_TIMEOUT_S
+        )
+    except Exception as e:
+        raise UsageError(f"%distrain sync: rank {source}: {_remote_message(e)}") from None
+    others = [r for r in range(size) if r != source]
+    in_place = _on_all(session, "sync", session_ops.take, data, ranks=others)
+    loaded = sorted(set(in_place[0])) if in_place else []
+    how = f" ({', '.join(loaded)} loaded in place)" if loaded else ""
+    return f"nbdist: every rank has rank {source}'s {', '.join(names)} now{how}"
 
 
 def variables(session: Session) -> Any:

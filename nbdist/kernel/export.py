@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
-import pickle
 import tempfile
 import textwrap
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 from nbdist.errors import ExportError
 from nbdist.kernel.checks import calls
+from nbdist.protocol import pack
 
 
 @dataclass(frozen=True)
@@ -366,7 +366,9 @@ def export_script(
                 + "\n"
             )
     if pushes:
-        write_new(data, pickle.dumps(pushes), mode=0o600, replace=force)
+        # cloudpickle's: a class or function defined in the notebook goes by value (loading it
+        # needs cloudpickle, which nbdist installs).
+        write_new(data, pack(pushes).data, mode=0o600, replace=force)
         written.append(data)
         parts.insert(0, _PUSH.format(name=data.name))  # checked before anything else runs
     header = (

@@ -32,17 +32,41 @@ from nbdist.protocol import Reason, Stall, Waiting
 from nbdist.ranks import spans
 
 
-def state_line(state: str, names: list[str], *, connected_stale: str | None = None) -> str:
-    """The last line of a failed cell's error: what happened to the workers' variables."""
+def state_line(
+    state: str,
+    names: list[str],
+    *,
+    connected_stale: str | None = None,
+    replicas: Any = None,
+    sharded: Sequence[str] = (),
+    framework: str | None = None,
+    raised: Sequence[int] = (),
+) -> str:
+    """The last line of a failed cell's error: what happened to the workers' variables
+    (``names``: those kept for "kept" and "rebuilt", those lost otherwise). ``replicas``:
+    after a rebuilt group, whether the models agree (``cell.Replicas``); ``sharded``: the
+    variables that made a rebuild drop them; ``raised``: the ranks whose own error it was."""
     if state == "kept":
+        if not names:
+            return "The workers hold no variables; fix the cell and run it again."
         return (
-            "The workers' variables are kept (as after an error in a Python REPL); fix the "
-            "cell and run it again."
+            f"The workers' variables are kept ({', '.join(names)}), as after an error in a "
+            "Python REPL; fix the cell and run it again."
         )
+    if state == "rebuilt":
+        return rebuilt_line(names, replicas, framework, raised)
     if state == "dropped":
         what = f" ({', '.join(names)})" if names else ""
         if connected_stale:
             return f"The workers' variables were dropped{what}. {connected_stale}"
+        if sharded:
+            one = len(sharded) == 1
+            return (
+                f"The process group was rebuilt; {', '.join(sharded)} {'is' if one else 'are'} "
+                "sharded across the ranks (FSDP2, DTensor), and shards cannot move to a new "
+                f"group, so the workers' variables were dropped{what}: re-run the cells that "
+                "build them (or save a checkpoint with torch.distributed.checkpoint to resume)."
+            )
         return (
             f"The process group was rebuilt and the workers' variables were dropped{what}: "
             "re-run the cells that build them."
@@ -60,6 +84,48 @@ def state_line(state: str, names: list[str], *, connected_stale: str | None = No
             "re-run the cells that build them."
         )
     return ""
+
+
+def rebuilt_line(
+    names: Sequence[str], replicas: Any, framework: str | None, raised: Sequence[int] = ()
+) -> str:
+    """After a rebuilt group: that every rank kept its variables, what the next cell wraps
+    again, and whether the replicas still agree, with the command that makes them agree (from
+    rank 0, or from the first rank that did not raise)."""
+    kept = f" ({', '.join(names)})" if names else ""
+    what = "strategy" if framework == "tf" else "process group"
+    line = f"The {what} was rebuilt and every rank kept its variables{kept}"
+    if replicas is None or not replicas.models:
+        return line + "."
+    models = list(replicas.models)
+    if framework == "tf":
+        line += f"; the next cell builds {', '.join(models)} in its new strategy's scope"
+    else:
+        line += f"; the next cell wraps {', '.join(models)} in DistributedDataParallel again"
+    if not replicas.differ:
+        one = len(models) == 1
+        return line + f". {', '.join(models)} {'is' if one else 'are'} the same on every rank."
+    differ = "; ".join(
+        f"{label} on rank{_s(ranks)} {spans(ranks)}" for label, ranks in replicas.differ.items()
+    )
+    names_to_sync = sorted({_top(label) for label in models} | set(replicas.optimizers))
+    source = 0
+    if 0 in raised:
+        source = min((r for ranks in replicas.differ.values() for r in ranks if r not in raised),
+                     default=0)  # fmt: skip
+    flag = f" --from {source}" if source else ""
+    return (
+        f"{line}. The replicas differ from rank 0's ({differ}): a rank that raised or was "
+        f"stopped mid-step can be a step behind. %distrain sync {','.join(names_to_sync)}{flag} "
+        f"gives every rank rank {source}'s; %distrain compare {_top(models[0])} shows the "
+        "difference."
+    )
+
+
+def _top(label: str) -> str:
+    """The variable a label is in: ``trainer`` for ``trainer.model``, ``models`` for
+    ``models[0]``."""
+    return re.split(r"[.\[]", label, maxsplit=1)[0]
 
 
 def still_running(engines: Sequence[Any]) -> str:

@@ -49,11 +49,15 @@ class Healed:
     size: int = 0  # how many ranks the session has after it
     rebuilt: tuple[str, ...] = ()  # TensorFlow: Keras models built again in the new scope
     everyone: bool = False  # TensorFlow: every engine was replaced, not only the dead ones
+    modules: tuple[str, ...] = ()  # the names of the imports it carried
+    samplers: tuple[str, ...] = ()  # DistributedSamplers, each rank's own shard at the next cell
 
     def text(self) -> str:
         which = ", ".join(map(str, self.ranks))
         rank = "rank" if len(self.ranks) == 1 else "ranks"
         sent = f"rank {self.source}'s variables ({', '.join(self.sent) or 'none'})"
+        if self.modules:
+            sent += f" and imports ({', '.join(self.modules)})"
         if self.everyone:
             line = (
                 "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
@@ -61,24 +65,39 @@ class Healed:
                 f"and every rank got {sent}"
             )
         elif self.replaced:
-            line = f"the session was healed: new engines took {rank} {which}, and every rank got "
+            engines = "a new engine" if len(self.ranks) == 1 else "new engines"
+            line = f"the session was healed: {engines} took {rank} {which}, and every rank got "
             line += sent
         else:
+            rest = (
+                "the one that answers goes on as rank 0"
+                if self.size == 1
+                else f"the {self.size} that answer go on as ranks 0-{self.size - 1}"
+            )
             line = (
                 f"the session was healed on fewer ranks: no engine could be started for {rank} "
-                f"{which}, so the {self.size} that answer go on as ranks 0-{self.size - 1}, and "
-                f"every rank got {sent}"
+                f"{which}, so {rest}, and every rank got {sent}"
             )
         if self.rewrapped:
             line += (
                 f"; the next cell wraps {', '.join(self.rewrapped)} in "
                 "DistributedDataParallel again, on a new process group"
             )
+        if self.samplers:
+            one = len(self.samplers) == 1
+            line += (
+                f"; {', '.join(self.samplers)} (DistributedSampler) "
+                f"{'reads' if one else 'read'} each rank's own shard again"
+            )
         if self.rebuilt:
             line += (
                 f"; the next cell builds {', '.join(self.rebuilt)} in its new strategy's scope "
                 "(architecture, weights and optimizer state, from a .keras save)"
             )
+        line += (
+            f". Values the cells computed from the rank (a gpu_id = LOCAL_RANK, a shard of "
+            f"your own) are rank {self.source}'s on every rank now: set them again"
+        )
         if self.unsent:
             what = ", ".join(f"{n} ({why})" for n, why in sorted(self.unsent.items()))
             line += f". Not sent, re-run the cells that make them: {what}"
@@ -111,24 +130,16 @@ def why_not(
     return None
 
 
-class _Unhealable(Exception):  # noqa: N818 - a reason, said as is; caught in try_heal
-    """What the survivors hold cannot rebuild the lost ranks (sharded state)."""
-
-
-def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
-    """Rebuild the ranks ``dead`` from the lowest surviving rank (see the module's doc)."""
+def heal(
+    cluster: Any, framework: str, dead: Sequence[int], imports: tuple[str, ...] = ()
+) -> Healed:
+    """Rebuild the ranks ``dead`` from the lowest surviving rank (see the module's doc);
+    ``imports``: the dotted modules the session's cells imported, imported first where the
+    session arrives."""
     dead = sorted(set(dead))
     survivors = [r for r in range(cluster.size) if r not in dead]
     if framework == "tf":
-        return _heal_tf(cluster, dead, survivors[0])
-    split = cluster.apply_async(survivors[0], healing.sharded).get(HEAL_TIMEOUT_S)
-    if split:
-        lost = ", ".join(map(str, dead))
-        raise _Unhealable(
-            f"{', '.join(split)} {'is' if len(split) == 1 else 'are'} sharded across the ranks "
-            f"(FSDP2, DTensor): the shards of rank {lost} died with it, and no survivor holds "
-            "them. Save a checkpoint (torch.distributed.checkpoint) to resume sharded training"
-        )
+        return _heal_tf(cluster, dead, survivors[0], imports)
     left = gather(
         survivors,
         [cluster.apply_async(r, healing.leave_group, framework) for r in survivors],
@@ -136,7 +147,7 @@ def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
         late=_late,
     )
     rewrap = left[0]
-    data, sent, unsent = cluster.apply_async(survivors[0], healing.snapshot).get(HEAL_TIMEOUT_S)
+    snap = cluster.apply_async(survivors[0], healing.snapshot).get(HEAL_TIMEOUT_S)
     source_id = cluster.engines[survivors[0]].engine_id
     replaced = cluster.replace_ranks(dead)
     # A connected cluster ranks its engines anew: the survivor may have another rank now.
@@ -144,39 +155,59 @@ def heal(cluster: Any, framework: str, dead: Sequence[int]) -> Healed:
     others = [r for r in range(cluster.size) if r != source]
     gather(
         others,
-        [cluster.apply_async(r, healing.restore, data, rewrap) for r in others],
+        [cluster.apply_async(r, healing.restore, snap, rewrap, imports) for r in others],
         HEAL_TIMEOUT_S,
         late=_late,
     )
     return Healed(
-        ranks=tuple(dead), source=survivors[0], sent=tuple(sent), unsent=dict(unsent),
+        ranks=tuple(dead), source=survivors[0], sent=tuple(snap.sent), unsent=dict(snap.unsent),
         rewrapped=tuple(sorted(rewrap)), replaced=replaced, size=cluster.size,
+        modules=tuple(snap.modules), samplers=tuple(snap.samplers),
     )  # fmt: skip
+
+
+def unhealable(cluster: Any, framework: str, dead: Sequence[int]) -> str | None:
+    """Why what the survivors hold cannot rebuild the ranks ``dead`` (None: it can): sharded
+    state (FSDP2, DTensors), of which each survivor holds only its own shards."""
+    if framework == "tf":
+        return None
+    survivor = next(r for r in range(cluster.size) if r not in dead)
+    split = cluster.apply_async(survivor, healing.sharded).get(HEAL_TIMEOUT_S)
+    if not split:
+        return None
+    lost = ", ".join(map(str, sorted(set(dead))))
+    return (
+        f"{', '.join(split)} {'is' if len(split) == 1 else 'are'} sharded across the ranks "
+        f"(FSDP2, DTensor): the shards of rank {lost} died with it, and no survivor holds "
+        "them. Save a checkpoint (torch.distributed.checkpoint) to resume sharded training"
+    )
 
 
 def _late(rank: int) -> Exception:
     return TimeoutError(f"rank {rank} did not answer")
 
 
-def _heal_tf(cluster: Any, dead: list[int], source: int) -> Healed:
+def _heal_tf(cluster: Any, dead: list[int], source: int, imports: tuple[str, ...]) -> Healed:
     """TensorFlow's best: a survivor's variables (Keras models saved whole) to new engines on
     every rank, the models built at the next cell in the new strategy's scope."""
-    data, sent, unsent = cluster.apply_async(source, healing.keras_snapshot).get(HEAL_TIMEOUT_S)
+    snap = cluster.apply_async(source, healing.keras_snapshot).get(HEAL_TIMEOUT_S)
     lost = ", ".join(map(str, dead))
     cluster.replace_engines(
+        notice="",  # the healing's first line said so
         why=f"rank {lost} died, and a MultiWorkerMirroredStrategy cannot change its cluster",
         note=None,
     )
     ranks = list(range(cluster.size))
     kept = gather(
         ranks,
-        [cluster.apply_async(r, healing.keep_for_strategy, data) for r in ranks],
+        [cluster.apply_async(r, healing.keep_for_strategy, snap, imports) for r in ranks],
         HEAL_TIMEOUT_S,
         late=_late,
     )
     return Healed(
-        ranks=tuple(dead), source=source, sent=tuple(sent), unsent=dict(unsent), rewrapped=(),
-        size=cluster.size, rebuilt=tuple(kept[0]), everyone=True,
+        ranks=tuple(dead), source=source, sent=tuple(snap.sent), unsent=dict(snap.unsent),
+        rewrapped=(), size=cluster.size, rebuilt=tuple(kept[0]), everyone=True,
+        modules=tuple(snap.modules),
     )  # fmt: skip
 
 
@@ -187,12 +218,16 @@ def try_heal(
     *,
     variables: bool,
     notify: Any,
+    announce: Any = None,
     gone: str | None = None,
     interrupted: bool = False,
+    imports: tuple[str, ...] = (),
 ) -> Healed | None:
     """Heal if it can be done (:func:`heal`), and say so; else say why not (unless there was
     nothing to keep) and return None: the caller replaces the engines, as before. ``gone``:
-    how the ranks died, said first; ``interrupted``: as for :func:`why_not`."""
+    how the ranks died, said first; ``announce``: where the first line goes, at once, before
+    the seconds a healing takes (``notify`` by default); ``interrupted``: as for
+    :func:`why_not`; ``imports``: as for :func:`heal`."""
     why = why_not(cluster, framework, dead, variables=variables, interrupted=interrupted)
     head = f"nbdist: {gone}; " if gone else "nbdist: "
     if why is not None:
@@ -200,12 +235,34 @@ def try_heal(
             notify(f"{head}not healed: {why}.")
         return None
     try:
-        healed = heal(cluster, framework, dead)
-    except _Unhealable as e:
-        notify(f"{head}not healed: {e}.")
+        why = unhealable(cluster, framework, dead)
+    except Exception as e:  # noqa: BLE001 - a survivor that does not answer: the old way
+        why = f"rank {min(set(range(cluster.size)) - set(dead))} did not answer ({e})"
+    if why is not None:
+        notify(f"{head}not healed: {why}.")
         return None
+    (announce or notify)(f"{head}{announcement(framework, dead, cluster.size)}")
+    try:
+        healed = heal(cluster, framework, dead, imports)
     except Exception as e:  # noqa: BLE001 - the old way then, with why
-        notify(f"{head}healing failed ({type(e).__name__}: {e}).")
+        notify(f"nbdist: healing failed ({type(e).__name__}: {e}).")
         return None
-    notify(f"{head}{healed.text()}")
+    notify(f"nbdist: {healed.text()}")
     return healed
+
+
+def announcement(framework: str | None, dead: Sequence[int], size: int) -> str:
+    """What a healing is about to do, said as it starts."""
+    dead = sorted(set(dead))
+    source = next(r for r in range(size) if r not in dead)
+    if framework == "tf":
+        return (
+            "healing the session: a MultiWorkerMirroredStrategy cannot change its cluster in "
+            f"place, so every engine is being replaced and given rank {source}'s variables..."
+        )
+    many = len(dead) > 1
+    return (
+        f"healing the session: starting {'new engines' if many else 'a new engine'} for "
+        f"rank{'s' if many else ''} {', '.join(map(str, dead))} and sending "
+        f"{'them' if many else 'it'} rank {source}'s variables..."
+    )

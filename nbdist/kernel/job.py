@@ -93,9 +93,10 @@ class Outcome:
     stopped: list[int]  # positions that had to be stopped
     history: list[dict[str, Any]]
     meta: RunMeta
-    released: set[int] = field(default_factory=set)  # session ranks that dropped their group
-    left: set[int] = field(default_factory=set)  # ... that left it, their variables kept
+    released: set[int] = field(default_factory=set)  # session ranks that dropped their session
+    left: set[int] = field(default_factory=set)  # ... that left the group, their variables kept
     dropped: set[str] = field(default_factory=set)  # variables those ranks dropped
+    sharded: set[str] = field(default_factory=set)  # ... because these were sharded
     lost: list[int] = field(default_factory=list)  # positions that died or were killed
     replaced: bool = False  # the engines were replaced (a rank was killed or died)
     shrunk: bool = False  # a connected cluster went on without the engines it lost
@@ -122,12 +123,8 @@ class Job:
         world: int,
         left_out: Sequence[RankSpec] = (),
         display: Any = None,
-        heal: bool = False,
     ) -> None:
         self.cluster = cluster
-        # Healing on: a rank released to free its peers leaves the group with its variables
-        # kept (``worker.release``), in case a rank is lost and they heal it.
-        self.heal = heal
         self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
         self.specs = list(specs)
         self.ranks = [s.rank for s in specs]
@@ -141,8 +138,7 @@ class Job:
         self.rounds = Rounds(len(specs), PUMP_EVERY_S)
         self.watch = Watch()
         self._joining: list[Any] = []
-        self._release: dict[int, Any] = {}  # session rank -> its drop_session (or, healing
-        # on, worker.release) AsyncResult
+        self._release: dict[int, Any] = {}  # session rank -> its worker.release AsyncResult
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
         self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
         self._blocked_cpu: dict[int, float] | None = None
@@ -460,12 +456,11 @@ class Job:
         for r in ranks:
             if r in self._release or r in dead or r >= self.cluster.size:
                 continue
-            # Healing on: the rank keeps its variables, as a rank may yet be lost (die, or be
-            # killed for not stopping on the interrupt) and they are then what heals it; if none
-            # is, the settling drops them with the others' (Cell.settle).
-            release = worker.release if self.heal else worker.drop_session
+            # The rank keeps its variables: the settling rebuilds the group around them
+            # (Cell.settle), and if a rank is lost (dies, or is killed for not stopping on the
+            # interrupt), they are what heals it.
             try:
-                self._release[r] = self.cluster.apply_async(r, release, self.framework)
+                self._release[r] = self.cluster.apply_async(r, worker.release, self.framework)
             except Exception:  # an engine the hub has dropped (it died): nothing to free
                 log.debug("rank %d cannot be released", r, exc_info=True)
 
@@ -476,17 +471,15 @@ class Job:
             if r in still:  # its drop runs when its cell ends: settle() leaves it queued
                 continue
             try:
-                result = ar.get(max(0.0, deadline - time.monotonic()))
-            except Exception:  # the engine could not drop its group: failures.py restarts
-                if self.heal:
-                    outcome.left.add(r)
+                kept, dropped, sharded = ar.get(max(0.0, deadline - time.monotonic()))
+            except Exception:  # the engine could not leave its group: the settling sees to it
+                outcome.left.add(r)
                 continue
-            if self.heal:  # worker.release's answer
-                kept, result = result
-                if kept:  # settle drops its variables unless the session heals
-                    outcome.left.add(r)
-                    continue
-            outcome.dropped.update(result)
+            if kept:
+                outcome.left.add(r)
+                continue
+            outcome.dropped.update(dropped)  # sharded state: dropped, the group with it
+            outcome.sharded.update(sharded)
             outcome.released.add(r)
 
     def _dead(self, positions: Sequence[int]) -> list[int]:

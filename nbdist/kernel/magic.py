@@ -202,6 +202,11 @@ def _pull_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=0)
 
 
+def _sync_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", type=_names("sync"))
+    p.add_argument("--from", dest="source", type=int, default=0)
+
+
 SUBCOMMANDS = (
     Subcommand(
         "start", "[-n N] [--network private|isolated|host]",
@@ -236,6 +241,12 @@ SUBCOMMANDS = (
     Subcommand(
         "push", "NAME[,NAME]", "notebook variables onto every worker",
         lambda p: p.add_argument("names", type=_names("push")),
+    ),
+    Subcommand(
+        "sync", "NAME[,NAME] [--from R]",
+        "every rank takes rank R's NAME (0 by default): models and optimizers are loaded in "
+        "place, anything else is replaced (after an error left a rank a step behind)",
+        _sync_args,
     ),
     Subcommand("vars", "", "the workers' variables: type, shape, same on every rank?"),
     Subcommand(
@@ -511,6 +522,9 @@ class DistrainMagics(Magics):
 
     def _push(self, ns: argparse.Namespace) -> None:
         print(commands.push(self.session, ns.names, self.shell.user_ns))
+
+    def _sync(self, ns: argparse.Namespace) -> None:
+        print(commands.sync(self.session, ns.names, ns.source))
 
     def _vars(self, ns: argparse.Namespace) -> Any:
         return commands.variables(self.session)

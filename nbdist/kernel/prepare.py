@@ -93,8 +93,8 @@ def check_push(
         if e is not None:
             raise UsageError(
                 f"{flag} {name}: a {type(user_ns[name]).__name__} cannot be sent to "
-                f"the workers ({type(e).__name__}: {e}). Push plain data (arrays, tensors, "
-                "dicts) and build objects like models and loaders inside the cell."
+                f"the workers ({type(e).__name__}: {e}). Push what it is made from, and make "
+                "it inside the cell."
             ) from None
         values[name] = user_ns[name]
     return values

@@ -38,7 +38,7 @@ from nbdist.kernel.prestart import Prestart
 from nbdist.kernel.relay import without_addresses
 from nbdist.kernel.result import DistrainResult, PerRank, RankResult
 from nbdist.kernel.scan import ScanResult, run_scan
-from nbdist.kernel.source import parse_cell
+from nbdist.kernel.source import dotted_imports, parse_cell
 from nbdist.protocol import SessionState
 
 
@@ -260,11 +260,13 @@ class Session:
         gone: str | None = None,
         notify: Any = None,
         interrupted: bool = False,
+        running: ast.Module | None = None,
     ) -> healing.Healed | None:
         """Rebuild the dead ranks from a survivor, the variables kept (``nbdist.kernel
         .healing``); None where it cannot, or ``%distrain heal off`` (the engines are then
         replaced as before). ``framework`` and ``variables`` default to the session's (a cell
-        that lost ranks passes its own); ``notify`` to the session's."""
+        that lost ranks passes its own, and its source: ``running``); ``notify`` to the
+        session's."""
         if not self.heal_lost:
             return None
         framework = framework or self.framework
@@ -272,7 +274,8 @@ class Session:
         changes = len(self._changes)
         healed = healing.try_heal(
             self.cluster, framework, dead, variables=held, notify=notify or self.notify,
-            gone=gone, interrupted=interrupted,
+            announce=self.notify, gone=gone, interrupted=interrupted,
+            imports=self.imports(running),
         )  # fmt: skip
         if healed is not None:
             del self._changes[changes:]  # engines a TensorFlow healing replaced: nothing lost
@@ -281,6 +284,15 @@ class Session:
             self.warm.clear()  # the new engines import the framework at the next cell
             self.rendezvous.pop(framework, None)  # the next cell makes a new group
         return healed
+
+    def imports(self, running: ast.Module | None = None) -> tuple[str, ...]:
+        """The dotted modules the session's cells (and the ``running`` one) imported
+        (:func:`~nbdist.kernel.source.dotted_imports`)."""
+        found = dotted_imports(running) if running is not None else set()
+        for record in self.cells:
+            if record.kind == "cell":
+                found |= dotted_imports(parse_cell(record.source))
+        return tuple(sorted(found))
 
     def drop(self, framework: str, why: str) -> None:
         """Every worker drops its variables and its part of the group, with a notice."""
@@ -348,6 +360,8 @@ class Session:
         if done.state in (SessionState.DROPPED, SessionState.REPLACED, SessionState.STOPPED):
             self.forget()
         if done.error is not None and done.result is None:
+            if done.state in (SessionState.KEPT, SessionState.REBUILT) and not opts.fresh:
+                self.variables = done.names
             raise done.error
         if not opts.fresh:
             self.variables = (
@@ -359,7 +373,7 @@ class Session:
                 framework=done.result.framework,
                 world_size=done.plan.world,
                 autolog=opts.autolog,
-                push=done.plan.specs[0].push,
+                push=done.plan.push,
                 strategy=opts.strategy,
                 backend=opts.backend,
                 fresh=opts.fresh,

@@ -36,6 +36,18 @@ def imported_modules(tree: ast.AST) -> set[str]:
     return names
 
 
+def dotted_imports(tree: ast.AST) -> set[str]:
+    """The submodules the cell imports as ``import a.b``, which binds only ``a``: a healing
+    imports them where the session arrives, since ``a`` alone would lack ``a.b``."""
+    return {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if "." in alias.name
+    }
+
+
 def used_frameworks(tree: ast.Module) -> set[str]:
     """Frameworks the cell's imports and names point at."""
     names = imported_modules(tree)

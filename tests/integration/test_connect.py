@@ -368,6 +368,7 @@ def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
     profile, procs = elsewhere
     shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
     try:
+        shell.run_line_magic("distrain", "reset")  # what the module's earlier tests left there
         shell.run_cell_magic(
             "distrain", "--framework torch --no-plot",
             "model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))\n"
@@ -389,9 +390,11 @@ def test_a_dead_engine_is_reported_and_not_restarted(shell, elsewhere, magics):
         # Engines started by hand: no launcher to ask for a new one. The survivor heals alone.
         assert message.splitlines()[-1] == (
             f"The session was healed on fewer ranks: no engine could be started for rank "
-            f"{victim.rank}, so the 1 that answer go on as ranks 0-0, and every rank got rank "
-            f"{1 - victim.rank}'s variables (model, opt, steps); the next cell wraps model in "
-            "DistributedDataParallel again, on a new process group."
+            f"{victim.rank}, so the one that answers goes on as rank 0, and every rank got rank "
+            f"{1 - victim.rank}'s variables (model, opt, steps) and imports (os, time); the next "
+            "cell wraps model in DistributedDataParallel again, on a new process group. Values "
+            "the cells computed from the rank (a gpu_id = LOCAL_RANK, a shard of your own) are "
+            f"rank {1 - victim.rank}'s on every rank now: set them again."
         ), message
         assert time.monotonic() - start < 30
         # nbdist restarts nothing it did not start: the engine that answers goes on, ranked 0,

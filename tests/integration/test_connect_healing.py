@@ -88,9 +88,11 @@ def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
             f"rank 1 (host {victim.host}, pid {victim.pid}) stopped answering during the job"
         ), message
         assert message.splitlines()[-1].startswith(
-            "The session was healed: new engines took rank 1, and every rank got rank 0's "
-            "variables (PAUSE, STEPS, X, Y, done, g, loss, model, opt, step); the next cell wraps "
-            "model in DistributedDataParallel again, on a new process group."
+            "The session was healed: a new engine took rank 1, and every rank got rank 0's "
+            "variables (PAUSE, STEPS, X, Y, done, g, loss, model, opt, step) and imports (time); "
+            "the next cell wraps model in DistributedDataParallel again, on a new process group. "
+            "Values the cells computed from the rank (a gpu_id = LOCAL_RANK, a shard of your "
+            "own) are rank 0's on every rank now: set them again."
         ), message
         said = capsys.readouterr()
         assert (

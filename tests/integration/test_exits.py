@@ -39,8 +39,8 @@ def test_exit_ends_the_cell_and_keeps_the_workers(fresh_session, magics, capsys,
     rendered = error._render_traceback_()
     assert EXIT_NOTE in rendered
     assert rendered[-1] == (
-        "The workers' variables are kept (as after an error in a Python REPL); fix the cell "
-        "and run it again."
+        "The workers' variables are kept (kept), as after an error in a Python REPL; fix the "
+        "cell and run it again."
     )
     out = capsys.readouterr().out
     assert "[rank 0] after" in out and "[rank 1] after" not in out

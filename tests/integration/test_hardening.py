@@ -222,16 +222,19 @@ def test_second_interrupt_while_the_engines_are_replaced(fresh_session, magics, 
 def test_clean_up_that_cannot_finish_replaces_the_engines(
     fresh_session, magics, monkeypatch, capsys
 ):
-    """A rank that cannot drop its variables in time (a ``__del__`` that blocks) after an
-    interrupt gets the engines replaced; the next cell runs on the new ones."""
+    """A rank that cannot leave its group in time after an interrupt (a DDP model whose
+    ``__del__`` blocks, which runs when the model is unwrapped for the new group) gets the
+    engines replaced; the next cell runs on the new ones."""
     monkeypatch.setattr(cell, "DROP_WAIT_S", 3.0)
     fresh_session.run_cell_magic(
         "distrain",
         "",
-        # Its own import: the namespace's ``time`` may be cleared before ``slow`` is.
-        "import time\nclass Slow:\n    def __del__(self):\n        import time\n"
+        "import time\n"
+        "class SlowDDP(nn.parallel.DistributedDataParallel):\n"
+        "    def __del__(self):\n"
         "        time.sleep(30)\n"
-        "if rank == 1:\n    slow = Slow()\n",
+        "wrap = SlowDDP if rank == 1 else nn.parallel.DistributedDataParallel\n"
+        "model = wrap(nn.Linear(2, 2))\n",
     )
     old = [e.pid for e in magics.cluster.engines]
     capsys.readouterr()

@@ -105,14 +105,21 @@ def test_a_rank_killed_between_cells_is_healed(healing, magics, capsys):
     out = capsys.readouterr()
     said = out.out + out.err
     assert "rank 1 (host" in said and "killed by SIGKILL" in said, said
-    assert (
-        "the session was healed: new engines took rank 1, and every rank got rank 0's "
-        "variables (PAUSE, STEPS, X, Y, done, g, loss, model, opt, step)" in said
-    ), said
+    # Said at once, before the seconds a new engine takes, then what was done.
+    announced = said.index(
+        "; healing the session: starting a new engine for rank 1 and sending it rank 0's "
+        "variables...\n"
+    )
+    assert said.index(
+        "nbdist: the session was healed: a new engine took rank 1, and every rank got rank 0's "
+        "variables (PAUSE, STEPS, X, Y, done, g, loss, model, opt, step) and imports (time)"
+    ) > announced, said
     assert "Warning" not in said, said
     assert (
-        "wraps model in DistributedDataParallel again, on a new process group. Not sent, re-run "
-        "the cells that make them: gen (generator: TypeError)." in said
+        "wraps model in DistributedDataParallel again, on a new process group. Values the cells "
+        "computed from the rank (a gpu_id = LOCAL_RANK, a shard of your own) are rank 0's on "
+        "every rank now: set them again. Not sent, re-run the cells that make them: gen "
+        "(generator: TypeError)." in said
     ), said
     pids = [e.pid for e in magics.cluster.engines]
     assert pids[0] == survivor and pids[1] != victim
@@ -132,7 +139,7 @@ def test_a_rank_killed_mid_cell_is_healed_and_the_next_cell_trains_on(healing, m
     assert f"pid {victim}" in message and "rank 1" in message, message
     last = message.splitlines()[-1]
     assert last.startswith(
-        "The session was healed: new engines took rank 1, and every rank got rank 0's variables ("
+        "The session was healed: a new engine took rank 1, and every rank got rank 0's variables ("
     ), message
     assert took < 15, took  # from the kill, the healing included
     done, _, kind = _train(sh, 4, flags="")
@@ -165,7 +172,7 @@ def test_a_rank_killed_for_ignoring_the_interrupt_is_healed(healing, magics, tmp
         "Rank 1 did not stop on the interrupt and was killed."
     )
     assert lines[-1].startswith(
-        "The session was healed: new engines took rank 1, and every rank got rank 0's variables ("
+        "The session was healed: a new engine took rank 1, and every rank got rank 0's variables ("
     ), lines
     assert victim not in [e.pid for e in magics.cluster.engines]
     done, _, kind = _train(sh, 2)
@@ -205,7 +212,7 @@ def test_a_rank_the_out_of_memory_killer_took_is_named_so_and_healed(healing, ma
         and "rose from 0 to 1)). " in message
     ), message
     assert "Use less memory on each rank (a smaller batch or model), or fewer ranks" in message
-    assert message.splitlines()[-1].startswith("The session was healed: new engines took rank 1")
+    assert message.splitlines()[-1].startswith("The session was healed: a new engine took rank 1")
     done, _, kind = _train(sh, 2)
     assert (done, kind) == (5, "DistributedDataParallel")
     _replicas_equal(sh)
@@ -340,10 +347,12 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     assert (
         "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
         "cannot change its cluster in place, so new engines took all 2 ranks, and every rank got "
-        "rank 0's variables (epochs, net, rng, x, y); the next cell builds net in its new "
-        "strategy's scope (architecture, weights and optimizer state, from a .keras save). Not "
-        "sent, re-run the cells that make them: ds (DistributedDataset: TensorFlow object of the "
-        "old strategy)." in said
+        "rank 0's variables (epochs, net, rng, x, y) and imports (keras, np); the next cell "
+        "builds net in its new "
+        "strategy's scope (architecture, weights and optimizer state, from a .keras save). Values "
+        "the cells computed from the rank (a gpu_id = LOCAL_RANK, a shard of your own) are rank "
+        "0's on every rank now: set them again. Not sent, re-run the cells that make them: ds "
+        "(DistributedDataset: TensorFlow object of the old strategy)." in said
     ), said
     assert not set(old) & {e.pid for e in magics.cluster.engines}
     assert after == [weights[0], weights[0]]  # rank 0's weights, on both new engines

@@ -132,13 +132,13 @@ class Cluster:
                 when, later = how.unregistered_before_gone
                 threading.Timer(when, task.die).start()
                 threading.Timer(when + later, self._die, args=(rank,)).start()
-        elif fn is worker.drop_session:
+        elif fn is worker.release:
             self.calls.append(("release", (rank,)))
             for r, other in self.tasks.items():  # a peer leaving frees those in a collective
                 if r != rank and self.behaviour[r].in_collective:
                     other.end("RuntimeError", "Connection closed by peer")
             task.end()
-            task.report = []
+            task.report = (True, [], [])  # it left the group, its variables kept
         else:
             task.end()
         return task
@@ -222,7 +222,7 @@ def test_a_rank_that_raises_frees_the_one_waiting_in_a_collective_without_signal
     assert outcome.watch.reason == Reason.FAILURE
     assert cluster.calls == [("release", (0,))]  # rank 0 let go of the group: rank 1 was freed
     assert [f.exc_type for f in outcome.failures] == ["ValueError", "RuntimeError"]
-    assert outcome.lost == [] and outcome.stopped == [] and outcome.released == {0}
+    assert outcome.lost == [] and outcome.stopped == [] and outcome.left == {0}
     assert job_module.states(outcome.ars, outcome.watch) == [RankState.FAILED] * 2
     assert took < 5.0
 

@@ -59,8 +59,9 @@ def test_every_error_nbdist_raises_is_in_one_tree():
     ]
     assert errors.ExportError in raised
     outside = {c.__qualname__ for c in raised if not issubclass(c, errors.DistrainError)}
-    # A warning, and signals caught where they are raised (on the engine; in the kernel).
-    assert outside == {"NbdistWarning", "_PullError", "_Unhealable"}
+    # A warning, and signals caught where they are raised (on the engine; in the kernel: a
+    # value that cannot be rebuilt is said in a UsageError, or in the rank's failure).
+    assert outside == {"NbdistWarning", "_PullError", "UnpackError"}
 
 
 def _modules():

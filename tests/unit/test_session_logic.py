@@ -9,6 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist.engine.namespace import clear, user_variables
+from nbdist.kernel.cell import Replicas
 from nbdist.kernel.failures import stall_message, state_line
 from nbdist.kernel.options import RunOptions, parse_run_options
 from nbdist.kernel.prepare import choose_framework
@@ -63,9 +64,28 @@ def test_shown_value_is_one_entry_per_rank_when_they_differ():
 
 
 def test_state_lines_and_the_on_stall_message():
-    assert state_line("kept", []) == (
-        "The workers' variables are kept (as after an error in a Python REPL); fix the cell "
-        "and run it again."
+    assert state_line("kept", ["model", "opt"]) == (
+        "The workers' variables are kept (model, opt), as after an error in a Python REPL; fix "
+        "the cell and run it again."
+    )
+    # Never "kept" where there is nothing (a session whose variables were lost before the cell).
+    assert state_line("kept", []) == "The workers hold no variables; fix the cell and run it again."
+    replicas = Replicas(models=("trainer.model",), differ={"trainer.model": [1]}, optimizers=())
+    assert state_line("rebuilt", ["trainer"], replicas=replicas, raised=[0]) == (
+        "The process group was rebuilt and every rank kept its variables (trainer); the next "
+        "cell wraps trainer.model in DistributedDataParallel again. The replicas differ from "
+        "rank 0's (trainer.model on rank 1): a rank that raised or was stopped mid-step can be a "
+        "step behind. %distrain sync trainer --from 1 gives every rank rank 1's; %distrain "
+        "compare trainer shows the difference."
+    )
+    assert state_line("rebuilt", ["x"]) == (
+        "The process group was rebuilt and every rank kept its variables (x)."
+    )
+    assert state_line("dropped", ["model", "opt"], sharded=["model"]) == (
+        "The process group was rebuilt; model is sharded across the ranks (FSDP2, DTensor), and "
+        "shards cannot move to a new group, so the workers' variables were dropped (model, "
+        "opt): re-run the cells that build them (or save a checkpoint with "
+        "torch.distributed.checkpoint to resume)."
     )
     assert state_line("dropped", ["model", "opt"]) == (
         "The process group was rebuilt and the workers' variables were dropped (model, opt): "
