@@ -282,14 +282,14 @@ def _keep_keras_models(namespace: dict[str, Any]) -> None:
     if keras is None:
         return
     models = {
-        name: _saved(value) for name, value in carried(namespace).items()
+        name: saved_keras(value) for name, value in carried(namespace).items()
         if isinstance(value, keras.Model)
     }  # fmt: skip
     if models:
         engine_state().slot(SLOT)["keras"] = models
 
 
-def _saved(model: Any) -> bytes:
+def saved_keras(model: Any) -> bytes:
     """A Keras model saved whole (``.keras``: architecture, weights, optimizer state)."""
     import tempfile
 
@@ -476,7 +476,7 @@ def keras_snapshot() -> Snapshot:
     for name, value in carried(session_namespace()).items():
         module = type(value).__module__.split(".")[0]
         if isinstance(value, keras.Model):
-            models[name] = _saved(value)
+            models[name] = saved_keras(value)
         elif module in ("keras", "tensorflow", "tf_keras"):
             unsent[name] = f"{type(value).__name__}: TensorFlow object of the old strategy"
         else:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
+from nbdist.engine.state import engine_state
 from nbdist.protocol import MemoryReport, Packed, pack, pickling_error
 
 
@@ -78,17 +79,22 @@ def take(data: bytes) -> list[str]:
     averaging them); anything else is replaced. Returns the names taken in place."""
     import pickle
 
+    from nbdist.engine import healing
     from nbdist.engine.healing import loading
 
     namespace = session_namespace()
     with loading():
         values = pickle.loads(data)  # noqa: S301 - from this session's own engine
+    # Keras models a rebuilt strategy builds again at the next cell, from a save: saved anew.
+    rebuilt = engine_state().slot(healing.SLOT).get("keras") or {}
     in_place = []
     for name, (kind, value) in values.items():
         here = _unwrapped(namespace.get(name))
         if kind is not None and _kind(here) == kind:
             if kind == "keras":
                 here.set_weights(value)
+                if name in rebuilt:
+                    rebuilt[name] = healing.saved_keras(here)
             else:
                 here.load_state_dict(value)
             in_place.append(name)

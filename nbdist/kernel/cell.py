@@ -365,10 +365,8 @@ class Cell:
         segment = live_view.agg.segment()
         if segment is not None:
             session.curve = [*session.curve, segment] if live_view.continued else [segment]
-            # A healing or a rebuilt group made its models new objects (wrapped again): the
-            # next cell's curve goes on.
-            renewed = outcome.healed is not None or state == SessionState.REBUILT
-            session.curve_key = HEALED if renewed else live_view.key
+            # A healing in this cell made its models new objects: the next cell's curve goes on.
+            session.curve_key = HEALED if outcome.healed is not None else live_view.key
         show_displays(outcome.ars, outcome.ranks, session.publish)
         profile = self._profile(outcome) if opts.profile else None
         cluster = self.cluster

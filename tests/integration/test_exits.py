@@ -97,3 +97,9 @@ def test_an_engine_killed_between_cells_is_named_and_replaced(heal_off, magics, 
     )
     assert sh.user_ns["res"].values == [0, 1]
     assert victim.pid not in [e.pid for e in magics.cluster.engines]
+    # The next error does not say "kept" of variables that went with the engines.
+    with pytest.raises(WorkerError) as error:
+        sh.run_cell_magic("distrain", "", "kept\n")
+    assert str(error.value).endswith(
+        "The workers hold no variables; fix the cell and run it again."
+    ), str(error.value)

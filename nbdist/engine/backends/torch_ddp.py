@@ -429,7 +429,9 @@ def _autolog(recorder: Any) -> Iterator[None]:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             level = getattr(depth, "n", 0)
             if level == 0:
-                recorder.model(self)
+                # DDP's module: the model a rebuilt group wraps again is the same model, and
+                # its loss curve goes on.
+                recorder.model(self.module if isinstance(self, DistributedDataParallel) else self)
                 # The batch: the first argument, or the first tensor given by name
                 # (transformers calls model(input_ids=..., labels=...)).
                 first = args[0] if args else next(iter(kwargs.values()), None)
