@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import psutil
 import pytest
@@ -13,12 +14,23 @@ def pytest_configure(config: pytest.Config) -> None:
     test asks, as before prestart existed: tests that measure or expect a start keep seeing it
     where they ask for it. tests/integration/test_prestart.py turns it on where it is the
     subject. Set for the run (before nbval starts a kernel), put back after it; importing this
-    file changes nothing."""
+    file changes nothing.
+
+    And SIGINT interrupts, however the suite was started: a suite started with ``&`` from a
+    script (or under nohup) inherits SIGINT ignored, Python then installs no handler, and the
+    engines it starts inherit it ignored too (14 tests of the interrupt lost their "the SIGINT
+    did not arrive"). The handler a terminal's Python has is put in place for the run."""
     config.stash[_SAVED] = os.environ.get(PRESTART_ENV)
     os.environ[PRESTART_ENV] = "0"
+    config.stash[_SIGINT] = signal.getsignal(signal.SIGINT)
+    if config.stash[_SIGINT] is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    handler = config.stash.get(_SIGINT, None)
+    if handler is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handler)
     saved = config.stash.get(_SAVED, None)
     if saved is None:
         os.environ.pop(PRESTART_ENV, None)
@@ -27,6 +39,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _SAVED = pytest.StashKey[str | None]()
+_SIGINT = pytest.StashKey[object]()
 
 
 def _ipyparallel_children() -> list[psutil.Process]:

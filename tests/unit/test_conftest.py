@@ -19,3 +19,28 @@ def test_importing_the_conftest_leaves_the_environment_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "True", out.stderr
     assert os.environ["NBDIST_PRESTART"] == "0"  # set for the run, by pytest_configure
+
+
+def test_sigint_interrupts_whatever_started_the_suite():
+    """Started with SIGINT ignored (``make test &`` from a script, nohup), the suite still has
+    Python's handler: the interrupt tests need it (and the engines they start inherit it)."""
+    import signal
+
+    here = Path(__file__).resolve()
+    code = (
+        "import signal, sys, pytest\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+        f"{str(here)!r} + '::test_the_handler_is_pythons']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=here.parents[2]
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_handler_is_pythons():
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
