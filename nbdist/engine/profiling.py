@@ -124,15 +124,17 @@ def summarize(prof: Any, device: str, *, partial: bool = False) -> dict[str, Any
 
 
 def _trace(prof: Any) -> bytes:
-    """The window's Chrome trace, gzip-compressed."""
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="nbdist-trace-")
-    os.close(fd)
-    try:
+    """The window's Chrome trace, gzip-compressed.
+
+    Exported into a folder of this user's alone (``mkdtemp``: 0700), never into the shared
+    temp folder itself: torch's exporter writes ``<path>.tmp`` with mode 0666, following
+    links, and renames it over the path; in ``/tmp`` any user could read every rank's trace,
+    and a planted ``.tmp`` link would have it truncate a file of this user's."""
+    with tempfile.TemporaryDirectory(prefix="nbdist-trace-") as folder:
+        path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path, "rb") as f:
             return gzip.compress(f.read(), compresslevel=5)
-    finally:
-        os.unlink(path)
 
 
 @contextmanager

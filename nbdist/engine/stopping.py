@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -78,6 +79,7 @@ class StoreBoard:
     def __init__(self, store: Any, run: str) -> None:
         self.store = store
         self.run = run
+        self._bad: set[str] = set()  # keys whose value did not parse, said once each
 
     def _key(self, rank: int) -> str:
         return KEY.format(run=self.run, rank=rank)
@@ -89,7 +91,32 @@ class StoreBoard:
         keys = [self._key(r) for r in ranks]
         if not self.store.check(keys):
             return None
-        return [int(self.store.get(k)) for k in keys]
+        steps = [_step(self.store.get(k)) for k in keys]
+        bad = [k for k, s in zip(keys, steps, strict=True) if s is None]
+        if bad:
+            # Only this run's ranks write these keys; on the host network another local user
+            # can reach the store and write one. Not a step: not published, and no exception
+            # in every optimizer step (the notebook interrupts the ranks after its wait).
+            for key in set(bad) - self._bad:
+                warnings.warn(
+                    f"nbdist: the graceful stop ignored {key}: its value is not a step (written "
+                    "by something else than this run's ranks)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            self._bad.update(bad)
+            return None
+        return steps
+
+
+def _step(value: Any) -> int | None:
+    """A published value as a step (a non-negative integer), or None."""
+    try:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        step = int(text)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return step if step >= 0 else None
 
 
 class KeyValueBoard:

@@ -11,14 +11,19 @@ user connected with.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import shutil
+import tempfile
+import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from nbdist.engine import worker
 from nbdist.errors import ClusterError
 from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo, RankedEngines, settle_addresses
-from nbdist.kernel.runfiles import kill_tree, started
+from nbdist.kernel.runfiles import Reaper, kill_tree, run_dir, started
 from nbdist.protocol import EngineReport
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,12 @@ class ConnectedCluster(RankedEngines):
         # The engines nbdist had the cluster's launcher start to heal a session (an ipyparallel
         # Cluster of its own, and the engine set's id): nbdist stops them when it disconnects.
         self._relaunched: list[tuple[Any, str]] = []
+        # The engines nbdist started for this cluster are its own to stop: a run record and its
+        # reaper kill them when the kernel dies without stopping them (local launchers), and
+        # an exit handler stops them when it exits; batch scripts go into a folder of nbdist's.
+        self._reaper: Reaper | None = None
+        self._scripts: Path | None = None
+        self._exit_handler = False
 
     def connect(
         self,
@@ -78,7 +89,7 @@ class ConnectedCluster(RankedEngines):
                 client, n=workers or launched, timeout=timeout, where=where,
                 restart=self.restart_text(), notify=self._notify,
             )  # fmt: skip
-            self._learn_engines(timeout=timeout)
+            self._learn_answering(timeout)
         except BaseException as e:  # an interrupt too: leave no half-connected state behind
             self._client = None
             self.engines = []
@@ -91,6 +102,32 @@ class ConnectedCluster(RankedEngines):
                 "Python environment (pip install nbdist there)?"
             ) from None
 
+    def _learn_answering(self, timeout: float) -> None:
+        """Rank the engines the controller lists, leaving out those that died as they were
+        asked: the controller lists a stopped engine until its heartbeats are missed (a
+        connect right after a disconnect that stopped engines nbdist had started met one)."""
+        from ipyparallel.error import CompositeError
+
+        try:
+            self._learn_engines(timeout=timeout)
+        except CompositeError as e:
+            died = {
+                info.get("engine_id")
+                for ename, _, _, info in e.elist
+                if ename == "EngineError" and isinstance(info, dict)
+            }
+            if not died or len(died) < len(e.elist):
+                raise
+            alive = sorted(set(self._client.ids) - died)
+            if not alive:
+                raise
+            listed = ", ".join(map(str, sorted(died)))
+            self._notify(
+                f"nbdist: engine{'s' if len(died) > 1 else ''} {listed} died as nbdist "
+                "connected (the controller still listed it): left out"
+            )
+            self._learn_engines(alive, timeout=timeout)
+
     def stop(self, note: str | None = "the workers were stopped") -> None:
         """Disconnect: the engines keep running, except those nbdist started to heal a session
         (nobody else knows of them: ``ipcluster stop`` would leave them)."""
@@ -102,14 +139,20 @@ class ConnectedCluster(RankedEngines):
         relaunched, self._relaunched = self._relaunched, []
         for cluster, engine_set in relaunched:
             # An engine that ran a collective may ignore the launcher's SIGTERM: the engine and
-            # its nanny are killed first, then the launcher reaps them.
-            for launcher in list(cluster.engines[engine_set].launchers.values()):
-                if launcher.pid:
-                    kill_tree((launcher.pid, started(launcher.pid) or 0.0))
+            # its nanny are killed first, then the launcher reaps them. (A batch or MPI
+            # launcher starts no process here: its stop cancels its job, or signals mpiexec.)
+            for pid in _pids(cluster.engines.get(engine_set)):
+                kill_tree((pid, started(pid) or 0.0))
             try:
                 cluster.stop_engines_sync(engine_set)
             except Exception:  # noqa: BLE001 - gone already
                 log.debug("could not stop engine set %s", engine_set, exc_info=True)
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.stop()
+        scripts, self._scripts = self._scripts, None
+        if scripts is not None:
+            shutil.rmtree(scripts, ignore_errors=True)
 
     def restart_text(self) -> str:
         """What to type to restart the engines and connect again, in the words the user
@@ -209,7 +252,7 @@ class ConnectedCluster(RankedEngines):
         names it), and wait for them to register; None where that cannot be done: engines
         started by hand (no cluster file), or an SSH launcher (it starts its whole list of
         hosts at once, not ``n`` engines)."""
-        from nbdist.kernel.connfile import profile_folder, read_cluster_file
+        from nbdist.kernel.connfile import launcher_config, profile_folder, read_cluster_file
 
         with_ = self.connected_with
         if with_.get("url_file"):
@@ -222,16 +265,25 @@ class ConnectedCluster(RankedEngines):
         try:
             from ipyparallel import Cluster
 
+            folder = profile_folder(**kwargs)
+            config = launcher_config(folder)  # checked, read once: never loaded by its path
+        except ClusterError as e:
+            self._notify(f"nbdist: {e}")
+            return None
+        try:
             # A Cluster of nbdist's own, with the launcher (and the profile's configuration of
             # it) that ipcluster used, and no cluster file: ipcluster's stays as it wrote it.
             cluster = Cluster(
-                profile_dir=str(profile_folder(**kwargs)),
+                profile_dir=str(folder), load_profile=False, config=config,
                 cluster_id=with_.get("cluster_id") or "", engine_launcher_class=launcher,
                 cluster_file="", log=_launcher_log,  # not its own log, which prints to stdout
             )  # fmt: skip
             launcher = cluster.engine_launcher_class.__name__
+            self._private_job_script(cluster)
             old = set(self._client.ids)
-            self._relaunched.append((cluster, cluster.start_engines_sync(n)))
+            engine_set = cluster.start_engines_sync(n)
+            self._relaunched.append((cluster, engine_set))
+            self._watch_relaunched()
         except Exception as e:  # noqa: BLE001 - said, and the survivors go on
             self._notify(
                 f"nbdist: the cluster's launcher ({launcher}) could not start engines: {e}"
@@ -251,6 +303,38 @@ class ConnectedCluster(RankedEngines):
             "disconnects)"
         )
         return new
+
+    def _private_job_script(self, cluster: Any) -> None:
+        """A batch launcher (Slurm, PBS, ...) writes its job script where it runs, the
+        notebook's folder by default, following links, and has the scheduler read it by path:
+        in a shared folder a planted link made a healing overwrite any file of the user's, and
+        a rename before the scheduler read it ran another user's job. Its script goes into a
+        folder of nbdist's own (0700, made afresh), under a name nobody else can take."""
+        from ipyparallel.cluster.launcher import BatchSystemLauncher
+
+        if not issubclass(cluster.engine_launcher_class, BatchSystemLauncher):
+            return
+        if self._scripts is None:
+            self._scripts = Path(tempfile.mkdtemp(prefix="nbdist-jobs-", dir=run_dir()))
+        name = f"{cluster.engine_launcher_class.__name__}-{uuid.uuid4().hex[:8]}.sh"
+        # ipyparallel joins its work folder and this name: an absolute name is the path.
+        cluster.config[cluster.engine_launcher_class.__name__].batch_file_name = str(
+            self._scripts / name
+        )
+
+    def _watch_relaunched(self) -> None:
+        """The engines nbdist started are stopped with it: at the kernel's exit (an exit
+        handler), and when the kernel is killed (the reaper, which kills the processes of a
+        run record; a local launcher's engines have processes here to record)."""
+        if not self._exit_handler:
+            atexit.register(self.stop)
+            self._exit_handler = True
+        pids = [p for cluster, s in self._relaunched for p in _pids(cluster.engines.get(s))]
+        if not pids:
+            return
+        if self._reaper is None:
+            self._reaper = Reaper(run_dir())
+        self._reaper.record.write(pids)
 
     def newcomers(self) -> list[int]:
         """Engines that registered after nbdist ranked the others (a launcher still starting
@@ -309,3 +393,13 @@ class ConnectedCluster(RankedEngines):
     def _learned(self, engines: list[EngineInfo]) -> None:
         ids = [e.engine_id for e in engines]
         self._client[ids].map_sync(worker.set_address, [e.address for e in engines])
+
+
+def _pids(engine_set: Any) -> list[int]:
+    """The processes a launcher started here for an engine set: a local launcher's, one per
+    engine; an MPI launcher's mpiexec; none for a batch job (its scheduler's)."""
+    launchers = getattr(engine_set, "launchers", None)
+    if launchers is not None:
+        return [launcher.pid for launcher in list(launchers.values()) if launcher.pid > 0]
+    pid = getattr(engine_set, "pid", None)
+    return [pid] if isinstance(pid, int) and pid > 0 else []

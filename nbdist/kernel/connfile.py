@@ -35,24 +35,28 @@ STANDARD_SERIALIZERS = ("json", "pickle")  # jupyter_client.Session's built-in n
 MAX_BYTES = 1 << 20
 
 
-def check_private(st: os.stat_result, path: Path, what: str) -> None:
+def check_private(
+    st: os.stat_result, path: Path, what: str, prefix: str = "%distrain connect: "
+) -> None:
     """Refuse ``path`` (as ``st`` describes the open handle) unless this user owns it and
     neither group nor others can write it."""
     if st.st_uid != os.getuid():
         raise ClusterError(
-            f"%distrain connect: the {what} {path} belongs to uid {st.st_uid}, not to you "
+            f"{prefix}the {what} {path} belongs to uid {st.st_uid}, not to you "
             f"(uid {os.getuid()}): whoever owns it could run code in this kernel. Use a "
             "connection file or profile of your own."
         )
     if stat.S_IMODE(st.st_mode) & 0o022:
         raise ClusterError(
-            f"%distrain connect: the {what} {path} is writable by other users "
+            f"{prefix}the {what} {path} is writable by other users "
             f"(mode {stat.S_IMODE(st.st_mode):o}), who could then run code in this kernel. "
             f"If it is yours, run: chmod go-w {path}"
         )
 
 
-def _open_folder(path: Path, what: str, *, dir_fd: int | None = None) -> int:
+def _open_folder(
+    path: Path, what: str, *, dir_fd: int | None = None, prefix: str = "%distrain connect: "
+) -> int:
     """An open handle on the folder ``path`` (relative to ``dir_fd`` when given, and then not
     through a symbolic link), checked private."""
     flags = os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if dir_fd is not None else 0)
@@ -60,13 +64,13 @@ def _open_folder(path: Path, what: str, *, dir_fd: int | None = None) -> int:
         fd = os.open(path if dir_fd is None else path.name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         raise ClusterError(
-            f"%distrain connect: there is no {what} {path}. Is the cluster running? Start it "
+            f"{prefix}there is no {what} {path}. Is the cluster running? Start it "
             "with: ipcluster start -n N --profile NAME"
         ) from None
     except OSError as e:
-        raise ClusterError(f"%distrain connect: cannot open the {what} {path} ({e})") from None
+        raise ClusterError(f"{prefix}cannot open the {what} {path} ({e})") from None
     try:
-        check_private(os.fstat(fd), path, what)
+        check_private(os.fstat(fd), path, what, prefix)
     except BaseException:
         os.close(fd)
         raise
@@ -93,27 +97,15 @@ def _read_json(path: Path, *, dir_fd: int | None, what: str) -> dict[str, Any]:
     if own_dir:
         dir_fd = _open_folder(path.parent, "folder of the connection file")
     try:
-        try:
-            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise ClusterError(
-                f"%distrain connect: there is no {what} {path}. Is the controller running? "
-                "(ipcluster start writes it into the profile's security folder.)"
-            ) from None
-        except OSError as e:  # ELOOP: a symbolic link
-            raise ClusterError(
-                f"%distrain connect: cannot open the {what} {path} ({e}); nbdist opens only "
-                "a regular file of yours there, never through a symbolic link."
-            ) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ClusterError(f"%distrain connect: {path} is not a regular file")
-            check_private(st, path, what)
-            data = f.read(MAX_BYTES)
+        data = _read_private(path, dir_fd, what)
     finally:
         if own_dir:
             os.close(dir_fd)
+    if data is None:
+        raise ClusterError(
+            f"%distrain connect: there is no {what} {path}. Is the controller running? "
+            "(ipcluster start writes it into the profile's security folder.)"
+        )
     try:
         info = json.loads(data)
     except ValueError as e:
@@ -185,6 +177,79 @@ def read_profile(
         except (ClusterError, AttributeError, TypeError, ValueError):
             expected = None  # engines started by hand, or by another launcher
         return info, expected
+
+
+# What starting engines for a profile loads from it: ipyparallel's cluster (ipython's config,
+# then ipcluster's) in this kernel, each engine its own (ipython's, then ipengine's).
+CONFIG_FILES = ("ipython_config", "ipcluster_config", "ipengine_config")
+HEAL = "the cluster's launcher was not used: "
+
+
+def launcher_config(profile_dir: Path) -> Any:
+    """The configuration ``ipcluster`` would start engines with, from the profile folder's
+    ``ipython_config`` and ``ipcluster_config`` (``.py`` and ``.json``), read once through a
+    held, checked handle on the folder, and ``ipengine_config`` checked as well (each new
+    engine loads it): every such file this user's, a regular file (never a link), writable by
+    nobody else, else a ``ClusterError`` naming the file and the fix. A Python config file is
+    code: one another user could write would run in this kernel (a group-writable file in a
+    private folder, as umask 002 leaves them, did). The profile folder itself, and its parent,
+    must be writable by nobody else (a sticky parent, as /tmp, lets others write but not
+    rename): else the folder could be swapped between this check and an engine's start.
+    What was read is loaded from a private copy, never from the profile by path."""
+    import tempfile
+
+    from traitlets.config import Config
+    from traitlets.config.loader import JSONFileConfigLoader, PyFileConfigLoader
+
+    parent = os.stat(profile_dir.parent)
+    if stat.S_IMODE(parent.st_mode) & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        raise ClusterError(
+            f"{HEAL}the folder {profile_dir.parent} holding the profile is writable by other "
+            "users (and not sticky), who could swap the profile for their own: move the "
+            f"profile into a folder of yours, or chmod go-w {profile_dir.parent}"
+        )
+    fd = _open_folder(profile_dir, "profile folder", prefix=HEAL)
+    texts: dict[str, bytes] = {}
+    try:
+        for stem in CONFIG_FILES:
+            for suffix in (".py", ".json"):
+                name = stem + suffix
+                data = _read_private(profile_dir / name, fd, "config file", prefix=HEAL)
+                if data is not None:
+                    texts[name] = data
+    finally:
+        os.close(fd)
+    config = Config()
+    with tempfile.TemporaryDirectory(prefix="nbdist-config-") as copy:
+        for name in ("ipython_config", "ipcluster_config"):
+            for suffix, loader in ((".py", PyFileConfigLoader), (".json", JSONFileConfigLoader)):
+                if name + suffix in texts:
+                    Path(copy, name + suffix).write_bytes(texts[name + suffix])
+                    config.merge(loader(name + suffix, path=copy).load_config())
+    return config
+
+
+def _read_private(
+    path: Path, dir_fd: int, what: str, prefix: str = "%distrain connect: "
+) -> bytes | None:
+    """The file ``path`` in the folder ``dir_fd`` holds, read once (None: there is none): a
+    regular file of this user's that nobody else can write, never through a link; else a
+    ``ClusterError`` that begins with ``prefix``."""
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symbolic link
+        raise ClusterError(
+            f"{prefix}cannot open the {what} {path} ({e}); nbdist reads only a regular file of "
+            "yours there, never through a symbolic link"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ClusterError(f"{prefix}the {what} {path} is not a regular file")
+        check_private(st, path, what, prefix)
+        return f.read(MAX_BYTES)
 
 
 def read_cluster_file(

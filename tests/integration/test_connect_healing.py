@@ -7,6 +7,8 @@ on alone, see test_connect.py's last test.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,3 +121,41 @@ def test_a_rank_killed_mid_cell_gets_an_engine_from_the_clusters_launcher(
     # not list it): disconnecting stopped it, and its nanny; the engines ipcluster started run on.
     assert nanny and all(gone_or_zombie(pid) for pid in [started, *nanny])
     assert all(psutil.pid_exists(pid) for pid in before - {victim.pid})
+
+
+def test_a_config_file_others_could_write_is_not_run_and_the_heal_says_why(
+    shell, launched, magics, capsys, tmp_path
+):
+    """The profile's ipcluster_config.py, group-writable (umask 002's), would run in this kernel
+    when nbdist starts engines with the cluster's launcher: it is refused, said in one line
+    with the fix, and the survivor goes on alone."""
+    sh = shell
+    marker = tmp_path / "ran"
+    config = launched / "ipcluster_config.py"
+    config.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config.chmod(0o664)
+    try:
+        sh.run_line_magic(
+            "distrain", f"connect --profile-dir {launched} --cluster-id {CLUSTER_ID} -n 2"
+        )
+        sh.run_cell_magic("distrain", "--framework torch --no-plot", "kept = rank\n")
+        victim = magics.cluster.engines[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert gone_or_zombie(victim.pid)
+        capsys.readouterr()
+        deadline = time.monotonic() + 30  # the controller notices after 3 s of heartbeats
+        while not magics.cluster.dead(range(magics.cluster.size)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert sh.run_cell_magic("distrain", "--no-plot", "kept\n") == 0
+        said = capsys.readouterr().out
+        assert (
+            f"nbdist: the cluster's launcher was not used: the config file {config} is writable "
+            "by other users (mode 664), who could then run code in this kernel. If it is yours, "
+            f"run: chmod go-w {config}\n" in said
+        ), said
+        assert "the session was healed on fewer ranks" in said, said
+        assert not marker.exists()
+    finally:
+        sh.run_line_magic("distrain", "stop")
+        config.unlink()

@@ -177,3 +177,55 @@ def test_connect_refuses_before_leaving_the_current_cluster(tmp_path):
     with pytest.raises(ClusterError, match="asks for pack='evil.pack'"):
         session.connect(url_file=str(path), timeout=1)
     assert session.cluster is local and not local.running
+
+
+# -- the configuration a healing starts engines with ---------------------------------------------
+def _profile(tmp_path: Path) -> Path:
+    folder = tmp_path / "profile_x"
+    folder.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    return folder
+
+
+def test_the_profiles_launcher_config_is_read_once_and_loaded_from_a_copy(tmp_path):
+    folder = _profile(tmp_path)
+    (folder / "ipcluster_config.py").write_text("c.SlurmLauncher.timelimit = '0:10:00'\n")
+    (folder / "ipython_config.json").write_text('{"Cluster": {"engine_timeout": 7}}')
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    config = connfile.launcher_config(folder)
+    assert config.SlurmLauncher.timelimit == "0:10:00"
+    assert config.Cluster.engine_timeout == 7
+
+
+@pytest.mark.parametrize("name", ["ipcluster_config.py", "ipengine_config.py"])
+def test_a_config_file_others_could_write_is_never_run(tmp_path, name):
+    """A group-writable config file (what umask 002 leaves) is code someone else could have
+    written: the healing says which file and the fix, and never runs it."""
+    folder = _profile(tmp_path)
+    marker = tmp_path / "ran"
+    (folder / name).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (folder / name).chmod(0o664)
+    with pytest.raises(ClusterError) as info:
+        connfile.launcher_config(folder)
+    assert str(info.value) == (
+        f"the cluster's launcher was not used: the config file {folder / name} is writable by "
+        "other users (mode 664), who could then run code in this kernel. If it is yours, run: "
+        f"chmod go-w {folder / name}"
+    )
+    assert not marker.exists()
+
+
+def test_a_linked_config_file_or_a_swappable_profile_is_refused(tmp_path):
+    folder = _profile(tmp_path)
+    elsewhere = tmp_path / "theirs.py"
+    elsewhere.write_text("c = c\n")
+    (folder / "ipcluster_config.py").symlink_to(elsewhere)
+    with pytest.raises(ClusterError, match="never through a symbolic link"):
+        connfile.launcher_config(folder)
+    (folder / "ipcluster_config.py").unlink()
+    os.chmod(tmp_path, 0o777)  # others may rename the profile folder away, and put theirs
+    with pytest.raises(ClusterError, match=r"is writable by other users \(and not sticky\)"):
+        connfile.launcher_config(folder)
+    os.chmod(tmp_path, 0o1777)  # as /tmp: others may write, not rename what is this user's
+    assert connfile.launcher_config(folder) == {}

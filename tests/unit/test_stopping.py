@@ -197,3 +197,34 @@ def test_the_boards_margins():
     from nbdist.engine.stopping import KeyValueBoard, OneRank, StoreBoard
 
     assert (StoreBoard.margin, OneRank.margin, KeyValueBoard.margin) == (1, 1, 2)
+
+
+def test_a_stop_key_that_is_not_a_step_is_ignored_with_a_warning():
+    """On the host network another local user can reach the group's store: a value written
+    under this run's key that is not a step is not an exception in every optimizer step."""
+    from nbdist.engine.stopping import StoreBoard
+
+    class Store:
+        def __init__(self):
+            self.data = {}
+
+        def set(self, key, value):
+            self.data[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self.data for k in keys)
+
+        def get(self, key):
+            return self.data[key]
+
+    store = Store()
+    board = StoreBoard(store, "n0nce")
+    board.publish(0, 4)
+    assert board.published([0, 1]) is None  # rank 1 has not published
+    store.data["nbdist-stop/n0nce/1"] = b"rm -rf"
+    with pytest.warns(RuntimeWarning, match="ignored nbdist-stop/n0nce/1: its value is not a step"):
+        assert board.published([0, 1]) is None
+    store.data["nbdist-stop/n0nce/1"] = b"-3"
+    assert board.published([0, 1]) is None  # said once per key; not a step either
+    board.publish(1, 5)
+    assert board.published([0, 1]) == [4, 5]
