@@ -173,7 +173,7 @@ class WorkerError(DistrainError):
             where = f"{_ranks_text([m.rank for m in members])} (host {', '.join(hosts)})"
             parts.append(f"{where} raised {f.headline}")
             if f.line is not None:
-                parts.append(f"  at cell line {f.line}: {f.line_text.strip()}")
+                parts.append(f"  at {f.where}: {f.line_text.strip()}")
         rest = groups[SHOWN_GROUPS:]
         if rest:  # hundreds of ranks failing each their own way: counted, not all printed
             ranks = [m.rank for members, _ in rest for m in members]

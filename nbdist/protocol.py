@@ -132,6 +132,25 @@ def _same(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class CellName:
+    """A ``%%distrain`` cell as the notebook names it, as IPython does: ``Cell In[12]`` (its
+    execution count), and its lines as the editor shows them, the ``%%distrain`` line being
+    line 1 (``first_line``: the editor line of the code's first line, 2 under the magic's line,
+    1 for a cell that auto mode runs on the workers)."""
+
+    count: int | None = None
+    first_line: int = 2
+
+    @property
+    def label(self) -> str:
+        return f"Cell In[{self.count}]" if self.count is not None else "the cell"
+
+    def at(self, line: int) -> str:
+        """``"Cell In[12], line 9"`` (``line``: as the editor shows it)."""
+        return f"{self.label}, line {line}"
+
+
 class Reason(_Word):
     """Why a job is being stopped."""
 
@@ -181,6 +200,12 @@ class RankFailure:
     line_text: str = ""
     time: float = 0.0
     collateral: bool = False
+    cell: str = ""  # the cell's label, Cell In[12] (``line`` is as its editor shows it)
+
+    @property
+    def where(self) -> str:
+        """``"Cell In[12], line 9"``: where in the cell it raised."""
+        return f"{self.cell or 'the cell'}, line {self.line}"
 
     @property
     def headline(self) -> str:
@@ -214,6 +239,7 @@ class RankSpec:
     pull: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()  # the ranks that run the cell (--on); empty: all of world_size
     nonce: str = ""  # this run's alone (a graceful stop's keys: nbdist.engine.stopping)
+    cell: CellName = field(default_factory=CellName)  # as the notebook names it
     autolog: bool = True
     fresh: bool = False  # run in a throwaway namespace instead of the session's
     profile: int = 0  # optimizer steps to profile (--profile; nbdist.engine.profiling)
@@ -312,6 +338,7 @@ class Stall:
     idle: dict[int, float]  # how long each stalled rank has been idle, seconds
     framework: str
     release_s: float  # how long a waiting rank takes to notice a lost peer
+    cell: str = "the cell"  # the cell's label, Cell In[12]: where each rank waits is in it
     where: dict[int, Waiting | None] = field(default_factory=dict)
     finished: list[int] = field(default_factory=list)  # ranks that finished the cell meanwhile
     all_idle: bool = False  # caught with every rank idle before any progress

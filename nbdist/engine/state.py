@@ -28,6 +28,8 @@ class EngineState:
     # Each model object autolog has seen, numbered (Recorder.model): id() is reused.
     models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     models_seen: int = 0
+    # Each cell's code file name -> its label as the notebook shows it (Cell In[12]).
+    cell_labels: dict[str, str] = field(default_factory=dict)
 
     def slot(self, backend: str) -> dict[str, Any]:
         """The mutable dict a backend keeps its own state in."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import linecache
 import os
+import re
 import socket
 import sys
 import threading
@@ -118,11 +119,18 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
     return tree, None
 
 
-def run_source(source: str, filename: str, namespace: dict[str, Any]) -> Any:
-    """Run the cell like IPython does: statements, then the value of a final expression."""
-    # Register the source so tracebacks show the cell's lines.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    body, last = _split_last_expression(ast.parse(source, filename))
+def run_source(
+    source: str, filename: str, namespace: dict[str, Any], first_line: int = 1
+) -> Any:
+    """Run the cell like IPython does: statements, then the value of a final expression.
+    ``first_line``: the editor's line number of the source's first line, which tracebacks,
+    failures and where a rank waits then count from."""
+    # Register the source so tracebacks show the cell's lines, at the editor's line numbers.
+    lines = ["\n"] * (first_line - 1) + source.splitlines(True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    tree = ast.parse(source, filename)
+    ast.increment_lineno(tree, first_line - 1)
+    body, last = _split_last_expression(tree)
     exec(compile(body, filename, "exec"), namespace)
     if last is not None:
         return eval(compile(last, filename, "eval"), namespace)
@@ -143,7 +151,7 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
         if walk.tb_frame.f_code.co_filename == spec.filename:
             line = walk.tb_lineno
         walk = walk.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    text = relabel("".join(traceback.format_exception(type(exc), exc, tb)))
     line_text = linecache.getline(spec.filename, line) if line else ""
     traceback.clear_frames(exc.__traceback__)
     return RankFailure(
@@ -155,7 +163,20 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
         line=line,
         line_text=line_text.rstrip("\n"),
         time=time.time(),
+        cell=spec.cell.label,
     )
+
+
+def relabel(text: str) -> str:
+    """A traceback's frames in the session's cells named as IPython names them:
+    ``Cell In[12], line 9, in train`` for ``File "<nbdist cell 4>", line 9, in train``."""
+    labels = engine_state().cell_labels
+
+    def name(m: re.Match[str]) -> str:
+        label = labels.get(m.group(1))
+        return m.group(0) if label is None else f"{label}, line {m.group(2)}"
+
+    return re.sub(r'File "(<nbdist cell \d+>)", line (\d+)', name, text)
 
 
 def run_rank(spec: RankSpec) -> RankReport:
@@ -166,6 +187,7 @@ def run_rank(spec: RankSpec) -> RankReport:
     start = time.perf_counter()
     namespace = {"__name__": "__main__"} if spec.fresh else session_namespace()
     report = RankReport(rank=spec.rank, host=host, pid=os.getpid())
+    state.cell_labels[spec.filename] = spec.cell.label  # for tracebacks, in later cells too
     publish = _publisher()
     recorder = Recorder(publish, autolog=spec.autolog, flush_s=flush_interval(spec.world_size))
     recorder.start()
@@ -190,7 +212,7 @@ def run_rank(spec: RankSpec) -> RankReport:
             display.set_up(state)
             stopping.begin(_stopper(spec, state, backend, publish))
             with interrupts_kept(), _exits_end_the_cell(namespace), display.cell_figures():
-                value = run_source(spec.source, spec.filename, namespace)
+                value = run_source(spec.source, spec.filename, namespace, spec.cell.first_line)
             report.value = display.packed(value)
             report.value_repr = None if value is None else _repr(value)
             del value

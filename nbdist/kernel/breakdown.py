@@ -141,7 +141,11 @@ class ProfileReport:
         shown = self.ranks if len(self.ranks) <= 4 else _rank0_and_slowest(self.ranks)
         lines = []
         for r in shown:
-            ops = ", ".join(f"{name} {ms:.1f} ms" for name, ms, _ in r.top_ops[:limit])
+            # No-break spaces inside an item: a narrow output wraps between items, not in a
+            # number ("0.1⏎ms", seen in JupyterLab).
+            ops = ", ".join(
+                f"{name}\u00a0{ms:.1f}\u00a0ms" for name, ms, _ in r.top_ops[:limit]
+            )
             lines.append(f"  rank {r.rank}: {ops}")
         return "\n".join(lines)
 
@@ -155,6 +159,11 @@ class ProfileReport:
             self.top_text(),
         ]
         out.extend(f"note: {n}" for n in self.notes)
+        if steps:
+            out.append(
+                f"note: the throughput dips over steps {self.skipped}-{self.skipped + steps - 1}"
+                ": that is the profiler's own cost while it records, not the model's"
+            )
         if self.folder:
             out.append(
                 f"Chrome traces (open in https://ui.perfetto.dev or TensorBoard): {self.folder}/"
@@ -305,10 +314,12 @@ def _offsets(lanes: list[dict[str, Any]]) -> list[float]:
     return offsets
 
 
-def write_traces(traces: dict[int, bytes], run_id: int, base: str | None = None) -> str:
+def write_traces(traces: dict[int, bytes], cell: str, base: str | None = None) -> str:
     """Each rank's Chrome trace as ``rank<R>.pt.trace.json.gz`` in a new folder of this user's
-    under ``base/nbdist-profile`` (the notebook's folder); returns the folder. The folders are
-    this user's alone (0700, never a link or another user's), like nbdist's other files."""
+    under ``base/nbdist-profile`` (the notebook's folder), named after the cell (``cell``:
+    ``In12`` for ``In [12]``) and the time; returns the folder. The folders are this user's
+    alone (0700, never a link, another user's, or one others can read or write), like nbdist's
+    other files."""
     root = os.path.join(base or os.getcwd(), FOLDER)
     try:
         os.mkdir(root, 0o700)
@@ -319,8 +330,13 @@ def write_traces(traces: dict[int, bytes], run_id: int, base: str | None = None)
                 f"{root} is not a folder of this user's; traces not written (remove it, or "
                 "run the notebook from a folder of your own)"
             ) from None
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise PermissionError(
+                f"{root} is open to other users (mode {stat.S_IMODE(info.st_mode):o}); traces "
+                f"not written: chmod 700 {root}"
+            ) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = os.path.join(root, f"cell{run_id}-{stamp}")
+    folder = os.path.join(root, f"{cell}-{stamp}")
     suffix = 1
     while True:
         try:
@@ -346,10 +362,10 @@ def trace_events(path: str) -> list[dict[str, Any]]:
 
 
 def from_reports(
-    windows: dict[int, dict[str, Any] | None], run_id: int, *, skipped: int
+    windows: dict[int, dict[str, Any] | None], cell: str, *, skipped: int
 ) -> tuple[ProfileReport | None, str]:
-    """The profile of a finished cell (rank -> the window its report carries) and the text to
-    show: the breakdown, or why there is none."""
+    """The profile of a finished cell (rank -> the window its report carries; ``cell``: its
+    name in file names, ``In12``) and the text to show: the breakdown, or why there is none."""
     errors = {r: w["error"] for r, w in windows.items() if w is not None and "error" in w}
     if errors:
         rank, error = min(errors.items())
@@ -366,7 +382,7 @@ def from_reports(
     notes = list(report.notes)
     folder = None
     try:
-        folder = write_traces(traces, run_id)
+        folder = write_traces(traces, cell)
     except OSError as e:
         notes.append(f"traces not written: {e}")
     ranks = tuple(

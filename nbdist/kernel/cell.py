@@ -54,8 +54,8 @@ from nbdist.kernel.local import default_workers
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, RankResult
-from nbdist.kernel.source import imported_modules
-from nbdist.protocol import RankSpec, Reason, SessionState, UnpackError, pack
+from nbdist.kernel.source import imported_modules, loop_steps
+from nbdist.protocol import CellName, RankSpec, Reason, SessionState, UnpackError, pack
 
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
@@ -97,13 +97,20 @@ class Cell:
     """One run of ``source`` with ``opts`` in ``session``."""
 
     def __init__(
-        self, session: Session, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict
+        self,
+        session: Session,
+        opts: RunOptions,
+        source: str,
+        tree: ast.Module,
+        user_ns: dict,
+        name: CellName | None = None,
     ) -> None:
         self.session = session
         self.opts = opts
         self.source = source
         self.tree = tree
         self.user_ns = user_ns
+        self.name = name or CellName()
         self.job: Job | None = None
         self.replicas: Replicas | None = None  # after a rebuilt group: do the replicas agree
         self.sharded: list[str] = []  # the variables a rebuild had to drop with the group
@@ -132,12 +139,15 @@ class Cell:
     def plan(self) -> Plan:
         """Check the flags, have the cluster and the rendezvous ready; one spec per rank."""
         opts, session, source = self.opts, self.session, self.source
+        session.still_running = {}  # a cell given up on is done by the time another runs
         framework = prepare.choose_framework(self.tree, opts, session.framework)
         prepare.check_flags(opts, framework)
         push = prepare.check_push(opts.push, self.user_ns)
         packed = pack(push, tuple(push)) if push else None  # once, not once per rank
         if opts.check:
-            session.report_findings(source, opts.workers or self.cluster.size or None)
+            session.report_findings(
+                source, opts.workers or self.cluster.size or None, cell=self.name
+            )
         options = prepare.backend_options(opts)
         cluster = self.cluster
         if opts.workers is not None or not cluster.running:  # known before touching the cluster
@@ -173,7 +183,8 @@ class Cell:
                 run_id=run_id,
                 framework=framework,
                 source=source,
-                filename=f"<%%distrain cell {run_id}>",
+                filename=f"<nbdist cell {run_id}>",
+                cell=self.name,
                 rank=e.rank,
                 world_size=world,
                 local_rank=e.local_rank,
@@ -211,6 +222,7 @@ class Cell:
             earlier_key=session.curve_key,
             hosts=[self.cluster.engines[s.rank].host for s in plan.specs],
             graceful=backends.load(plan.framework).GRACEFUL_STOP,
+            expected_steps=loop_steps(self.tree),
         )
         session.view = live_view
         self.job = Job(
@@ -350,6 +362,14 @@ class Cell:
         session, opts, job = self.session, self.opts, self.job
         live_view = job.live
         meta = outcome.meta
+        reports = outcome.reports
+        # A graceful stop: how many steps each rank completed. The step it was stopped in (its
+        # loss computed, its update not taken) leaves the curve, so that every number said
+        # (the Stop message, the summary, the figure) is of the steps the model took.
+        stopped_at = {r.rank: r.stopped_at for r in reports.values() if r.stopped_at is not None}
+        taken = min(stopped_at.values()) if stopped_at else None
+        if taken is not None:
+            outcome.history = [h for h in outcome.history if h["step"] < taken]
         detail = (
             f", global batch {meta.global_batch} = {meta.per_replica_batch} per replica "
             f"x {len(plan.specs)}"
@@ -358,7 +378,7 @@ class Cell:
         )
         summary = live_view.finish(
             outcome.history, states(outcome.ars, outcome.watch), wall=outcome.wall,
-            framework=plan.framework, detail=detail, key=meta.model,
+            framework=plan.framework, detail=detail, key=meta.model, steps_taken=taken,
         )  # fmt: skip
         if summary is not None:
             print(summary, file=session.out, flush=True)
@@ -395,11 +415,13 @@ class Cell:
                 said = outcome.healed.text()
                 line = said[0].upper() + said[1:]
             error.state = line or error.state  # a graceful stop's says what it kept
+            session.still_running = {
+                outcome.ranks[p]: self.name.label for p in outcome.watch.abandoned
+            }
             if outcome.watch.abandoned:
                 still = [cluster.engines[outcome.ranks[p]] for p in outcome.watch.abandoned]
                 error.state = "\n".join(filter(None, [error.state, failures.still_running(still)]))
             return CellOutcome(state=state, lost=lost, error=error, names=held)
-        reports = outcome.reports
         warnings: tuple[str, ...] = ()
         if opts.on is None:
             warning = independent_copies(
@@ -415,11 +437,12 @@ class Cell:
                 pulled = reports[0].pulled.unpack(" in the notebook")
             except UnpackError as e:
                 pull_errors = [f"--pull {e} (rank {outcome.ranks[0]})"]
-        stopped_at = {r.rank: r.stopped_at for r in reports.values() if r.stopped_at is not None}
         return CellOutcome(
             # A graceful stop: the cell's outcome is kept as a finished cell's is, and the
             # session raises the notice after taking it in.
-            error=failures.graceful_stop(stopped_at) if stopped_at else None,
+            error=failures.graceful_stop(stopped_at, live_view.agg.step_text)
+            if stopped_at
+            else None,
             state=state,
             lost=lost,
             result=_result(outcome, plan.framework, warnings, profile, err=session.err),
@@ -437,8 +460,10 @@ class Cell:
         if not reports:
             return None
         windows = {outcome.ranks[p]: reports[p].profile for p in sorted(reports)}
+        count = self.name.count
         run_id = self.job.specs[0].run_id if self.job is not None else 0
-        report, text = breakdown.from_reports(windows, run_id, skipped=SKIP_STEPS)
+        name = f"In{count}" if count is not None else f"cell{run_id}"
+        report, text = breakdown.from_reports(windows, name, skipped=SKIP_STEPS)
         if report is not None and self.opts.plot:
             session.display(
                 {

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from nbdist.protocol import CellName
 
 TUTORIAL = "notebooks/04_common_mistakes.ipynb"
 RANKS_TUTORIAL = "notebooks/08_when_ranks_disagree.ipynb"
@@ -27,18 +29,22 @@ class CheckContext:
     world_size: int = 2
     gpus: int = 0
     earlier: tuple[str, ...] = ()
+    earlier_cells: tuple[CellName, ...] = ()  # how the notebook named each of ``earlier``
+    cell: CellName | None = None  # the cell checked: lines as its editor shows them
 
 
 @dataclass(frozen=True, kw_only=True)
 class Finding:
-    """One mistake found in a cell."""
+    """One mistake found in a cell (``line``: as the editor shows it, in ``cell``)."""
 
     rule: str
     line: int
     message: str
+    cell: str | None = None  # the cell's label (Cell In[12]); None: code that is not a cell
 
     def __str__(self) -> str:
-        return f"nbdist check [{self.rule}] cell line {self.line}: {self.message}"
+        where = f"{self.cell}, line {self.line}" if self.cell else f"line {self.line}"
+        return f"nbdist check [{self.rule}] {where}: {self.message}"
 
 
 def call_name(node: ast.AST) -> str:
@@ -641,22 +647,31 @@ RULES: tuple[Callable[[ast.Module, CheckContext], list[Finding]], ...] = (
 CALL_RULES = (spawn_in_cell, cuda_without_gpu, init_process_group_rules)
 
 
-def _definitions(sources: tuple[str, ...]) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
-    """Functions (and methods) the earlier cells define, by name; a later definition wins."""
-    defs: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
-    for source in sources:
+def _definitions(
+    sources: tuple[str, ...], cells: tuple[CellName, ...] = ()
+) -> dict[str, tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]]:
+    """Functions (and methods) the earlier cells define, by name, each with where (``Cell
+    In[7]``, its lines as the editor shows them, where the cell's name is known); a later
+    definition wins."""
+    defs: dict[str, tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]] = {}
+    for i, source in enumerate(sources):
+        cell = cells[i] if i < len(cells) else None
         try:
-            defs.update((fn.name, fn) for fn in _functions(ast.parse(source)))
+            tree = ast.parse(source)
         except SyntaxError:
             continue
+        if cell is not None:
+            ast.increment_lineno(tree, cell.first_line - 1)
+        where = cell.label if cell is not None and cell.count is not None else "an earlier cell"
+        defs.update((fn.name, (fn, where)) for fn in _functions(tree))
     return defs
 
 
 def _reached(
-    tree: ast.Module, defs: dict[str, ast.FunctionDef | ast.AsyncFunctionDef]
-) -> Iterator[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.Call]]:
-    """Earlier cells' functions the cell calls, directly or through one another, each with the
-    call in the cell that leads to it."""
+    tree: ast.Module, defs: dict[str, tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]]
+) -> Iterator[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str, ast.Call]]:
+    """Earlier cells' functions the cell calls, directly or through one another, each with
+    where it is defined and the call in the cell that leads to it."""
     local = {fn.name for fn in _functions(tree)}
     seen: set[str] = set()
     for call in sorted(
@@ -668,8 +683,8 @@ def _reached(
             if name in seen or name in local or name not in defs:
                 continue
             seen.add(name)
-            fn = defs[name]
-            yield fn, call
+            fn, where = defs[name]
+            yield fn, where, call
             stack.extend(call_name(n) for n in ast.walk(fn) if isinstance(n, ast.Call))
 
 
@@ -685,8 +700,10 @@ def check_source(source: str, context: CheckContext | None = None) -> list[Findi
     except SyntaxError:
         return []
     ctx = context or CheckContext()
+    if ctx.cell is not None:  # every line said as the editor shows it, the messages' too
+        ast.increment_lineno(tree, ctx.cell.first_line - 1)
     findings = [f for rule in RULES for f in rule(tree, ctx)]
-    for fn, call in _reached(tree, _definitions(ctx.earlier)):
+    for fn, where, call in _reached(tree, _definitions(ctx.earlier, ctx.earlier_cells)):
         body = ast.Module(body=[fn], type_ignores=[])
         for rule in CALL_RULES:
             for f in rule(body, ctx):
@@ -694,8 +711,10 @@ def check_source(source: str, context: CheckContext | None = None) -> list[Findi
                     Finding(
                         rule=f.rule,
                         line=call.lineno,
-                        message=f"in {fn.name}(), defined in an earlier cell (its line "
-                        f"{f.line}): {f.message}",
+                        message=f"in {fn.name}(), defined in {where} (its line {f.line}): "
+                        f"{f.message}",
                     )
                 )
+    if ctx.cell is not None:
+        findings = [replace(f, cell=ctx.cell.label) for f in findings]
     return sorted(findings, key=lambda f: (f.line, f.rule))

@@ -323,7 +323,7 @@ class VarsTable:
 
     def __repr__(self) -> str:
         if not self.rows:
-            return "no variables on the workers yet"
+            return "no variables on the workers"
         table = [_COLUMNS, *(_cells(r) for r in self.rows)]
         widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
         return "\n".join(
@@ -333,7 +333,7 @@ class VarsTable:
 
     def _repr_html_(self) -> str:
         if not self.rows:
-            return "<p>no variables on the workers yet</p>"
+            return "<p>no variables on the workers</p>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in _COLUMNS)
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>"

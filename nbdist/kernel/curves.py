@@ -174,6 +174,20 @@ class Aggregate:
             self.last[rank] = {**self.last[rank], **point}
         self.seen = len(history)
 
+    @property
+    def continued(self) -> bool:
+        """Whether this cell's steps continue earlier cells' (two counts: the cell's and the
+        session's)."""
+        return bool(self.offset)
+
+    def step_text(self, cell_step: int) -> str:
+        """A step of this cell as the panel, the summary and the Stop message say it:
+        ``"step 57"``, or ``"step 57 of this cell, 68 in the session"`` when the cell continues
+        earlier ones."""
+        if not self.offset:
+            return f"step {cell_step}"
+        return f"step {cell_step} of this cell, {cell_step + self.offset} in the session"
+
     def loss_curve(self) -> tuple[list[int], list[float], list[float], list[float]]:
         """Steps (the session's), and the mean, min and max of the ranks' losses at each."""
         steps = list(self._steps)
@@ -269,7 +283,9 @@ class Aggregate:
         parts = []
         steps, mean, _, _ = self.loss_curve()
         if steps:
-            parts.append(f"final loss {mean[-1]:.4g} (step {steps[-1]}, mean over ranks)")
+            where = self.step_text(steps[-1] - (self.offset or 0))
+            said = f"mean over ranks; {where}" if self.continued else f"{where}, mean over ranks"
+            parts.append(f"final loss {number(mean[-1])} ({said})")
         if logy and (decades := self.loss_decades()) is not None:
             parts.append(f"loss axis logarithmic (the loss spans {decades:.1f} decades)")
         samples = sum(r.samples for r in self.rates)
@@ -300,6 +316,24 @@ class Aggregate:
         """This cell's loss curve, for the next cell of the session to continue."""
         steps, mean, _, _ = self.loss_curve()
         return Segment(steps, mean) if steps else None
+
+
+def number(value: float) -> str:
+    """A loss as the summary says it: four significant digits, never ``-0``."""
+    return f"{value + 0.0:.4g}" if value != 0 else "0"
+
+
+def losses_text(values: Sequence[float | None]) -> list[str]:
+    """The ranks' losses for the table, with as many decimals each as the largest needs for
+    four significant digits: a column reads alike (``0.01014`` beside ``0.00813``, not
+    ``0.008133``)."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v) and v != 0]
+    if not finite:
+        return ["" if v is None else number(v) for v in values]
+    decimals = max(0, 3 - math.floor(math.log10(max(finite))))
+    if decimals > 8:  # too small for a fixed column: significant digits say it better
+        return ["" if v is None else number(v) for v in values]
+    return ["" if v is None else f"{v + 0.0:.{decimals}f}" for v in values]
 
 
 def _median_without(ordered: list[float], value: float) -> float:

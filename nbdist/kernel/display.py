@@ -3,9 +3,11 @@
 Sink only: the job feeds it metric points and rank states; it draws. The cell's panel is one
 output with a display id, updated in place (no ``clear_output``): a line of text until the run
 has lasted ``REDRAW_S`` (a short cell never builds widgets or draws a live figure), then the
-live widgets (a table row per rank, the figure, a Stop button), redrawn at most every
-``REDRAW_S``; when the run ends, the static figure replaces the widgets in the same place, so
-a live notebook shows one figure per cell and a saved or headless one holds the PNG.
+live widgets (a table row per rank, the figure, a Stop button), the table and the figure
+redrawn together from the same points (the figure never behind the table), every ``REDRAW_S``
+or, where a figure costs more than ``FIGURE_CPU_BUDGET`` of a core, less often; when the run
+ends, the static figure replaces the widgets in the same place and at the same size, so a live
+notebook shows one figure per cell and a saved or headless one holds the PNG.
 ipywidgets and matplotlib are imported only when needed.
 """
 
@@ -19,16 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.kernel.curves import Aggregate, Segment
+from nbdist.kernel.curves import Aggregate, Segment, losses_text
 from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, png_data, use_log_scale
 from nbdist.ranks import MANY_RANKS
 
 REDRAW_S = 0.5
-# The kernel shares the cores with the workers: the figure (the costly part, ~0.1 s a draw on a
-# small machine) is redrawn only as often as keeps it under this fraction of one core.
+# The kernel shares the cores with the workers: the panel (its figure is the costly part,
+# ~0.1 s a draw on a small machine) is redrawn only as often as keeps it under this fraction of
+# one core.
 FIGURE_CPU_BUDGET = 0.05
-# ...but never older than this: a first draw is slow (fonts, ticks made once) and a busy
-# machine slows any draw, which the budget alone would turn into a figure seconds behind.
+# ...but never further apart than this: a first draw is slow (fonts, ticks made once) and a
+# busy machine slows any draw, which the budget alone would turn into a panel seconds behind.
 FIGURE_MAX_AGE_S = 2.0
 # Past MANY_RANKS ranks the figure is a mean with a min-max band (cheap to draw), the notebook
 # usually drives machines other than its own, and the ranks flush only every 0.5 s at 512: the
@@ -84,27 +87,37 @@ def table_html(
     rows = []
     elapsed = now - agg.start
     slow = dict(agg.stragglers())
+    losses = losses_text(
+        [None if (v := agg.last[r].get("loss")) is None else float(v) for r in range(agg.world)]
+    )
     for rank in range(agg.world):
         last = agg.last[rank]
         rate = agg.rate(rank)
-        loss = last.get("loss")
         work = agg.work_per_step(rank)
         work_text = "" if work is None else f"{work * 1e3:,.0f} ms"
         if rank in slow:
             work_text = f"<b>{work_text} ({slow[rank]:.1f}× the others)</b>"
         rows.append(
             "<tr>"
-            f"<td>{rank}</td><td>{states[rank]}</td><td>{last.get('step', '')}</td>"
-            f"<td>{'' if loss is None else f'{loss:.4g}'}</td>"
+            f"<td>{rank}</td><td>{states[rank]}</td><td>{_step_cell(agg, last.get('step'))}</td>"
+            f"<td>{losses[rank]}</td>"
             f"<td>{'' if rate is None else f'{rate:,.0f}'}</td><td>{work_text}</td>"
             f"<td>{elapsed:.1f} s</td><td>{_eta(last, agg.total_steps, elapsed)}</td>"
             "</tr>"
         )
+    step = "step (cell / session)" if agg.continued else "step"
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("rank", "state", "step", "loss", "samples/s", "work/step", "elapsed", "ETA")
+        for h in ("rank", "state", step, "loss", "samples/s", "work/step", "elapsed", "ETA")
     )
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _step_cell(agg: Aggregate, step: int | None) -> str:
+    """A rank's step in the table: this cell's, and the session's too where they differ."""
+    if step is None:
+        return ""
+    return f"{step} / {step + agg.offset}" if agg.continued else str(step)
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
@@ -224,10 +237,10 @@ def stop_button_html(
     return f'<button class="nbdist-stop" style="{style}" onclick="{onclick}">{label}</button>'
 
 
-def stopping_html(step: int | None = None) -> str:
+def stopping_html(step: str | None = None) -> str:
     """The Stop button once a graceful stop was asked for: disabled, saying what happens (and
-    after which step, once the ranks have agreed)."""
-    label = STOPPING_LABEL if step is None else f"Stopping after step {step}..."
+    after which step, ``"step 57"``, once the ranks have agreed)."""
+    label = STOPPING_LABEL if step is None else f"Stopping after {step}..."
     return f'<button disabled style="{_BUTTON_STYLE};opacity:0.7">{label}</button>'
 
 
@@ -250,11 +263,15 @@ class Dashboard:
         self.agg = agg
         self.hosts = hosts
         self.figure = figure
-        self._next_figure = 0.0
         self.drawn = -1  # how many points the image shows
         self.interrupt_path = interrupt_path
         self.table = widgets.HTML()
-        self.image = widgets.Image(format="png")
+        # At the picture's own size, as the final image is shown (narrower outputs scale both
+        # alike): a widget image stretches to the output's width otherwise, and the final one
+        # then came in smaller, its fonts too.
+        self.image = widgets.Image(
+            format="png", layout=widgets.Layout(width=f"{figure.width_px}px", max_width="100%")
+        )
         self.stop = widgets.HTML(stop_button_html(interrupt_path, graceful=graceful))
         self.box = widgets.VBox([self.table, self.image, self.stop])
         show(
@@ -268,16 +285,14 @@ class Dashboard:
             }
         )
 
-    def draw(
-        self, states: Sequence[str], smoothing: float, logy: bool | None, *, force: bool = False
-    ) -> None:
+    def draw(self, states: Sequence[str], smoothing: float, logy: bool | None) -> float:
+        """The table and the figure, from the same points (the figure is never behind the
+        table); returns the seconds the figure took."""
         self.table.value = table_html(self.agg, states, time.time(), self.hosts)
-        now = time.monotonic()
-        if force or now >= self._next_figure:
-            self.image.value = self.figure.png(self.agg, smoothing, logy)
-            self.drawn = self.agg.seen
-            took = time.monotonic() - now
-            self._next_figure = now + figure_wait(took, self.agg.world)
+        start = time.monotonic()
+        self.image.value = self.figure.png(self.agg, smoothing, logy)
+        self.drawn = self.agg.seen
+        return time.monotonic() - start
 
     def close(self) -> None:
         """The widgets are done: the static figure takes their place."""
@@ -326,6 +341,9 @@ class LiveView:
     graceful : bool
         The Stop button stops every rank at the same step boundary, the session kept (the
         backend has a board: ``nbdist.engine.stopping``).
+    expected_steps : int or None
+        The steps the cell's own text says its loop takes (``for step in range(N)``), for the
+        ETA until a rank says otherwise (``log.expect``, Keras).
     """
 
     def __init__(
@@ -342,8 +360,10 @@ class LiveView:
         earlier_key: str | None = None,
         hosts: Sequence[str] | None = None,
         graceful: bool = False,
+        expected_steps: int | None = None,
     ) -> None:
         self.agg = Aggregate(world, earlier=list(earlier))
+        self.agg.total_steps = expected_steps
         self.graceful = graceful  # Stop ends the run at a step boundary, the session kept
         self.earlier_key = earlier_key
         self.key: str | None = None  # the model this cell trains, once known
@@ -401,7 +421,13 @@ class LiveView:
         self._stopping = True
         self.stopping_step = step
         if self.dashboard is not None:
-            self.dashboard.stop.value = stopping_html(step)
+            self.dashboard.stop.value = stopping_html(self._stopping_text())
+
+    def _stopping_text(self) -> str | None:
+        """After which step the ranks stop (``stopping_step``: the steps they will have taken),
+        numbered as the table numbers them."""
+        taken = self.stopping_step
+        return None if taken is None else self.agg.step_text(taken - 1)
 
     def update(
         self,
@@ -431,8 +457,11 @@ class LiveView:
                 graceful=self.graceful,
             )
             if self._stopping:
-                self.dashboard.stop.value = stopping_html(self.stopping_step)
-        self.dashboard.draw(states, self.smoothing, self.logy, force=force)
+                self.dashboard.stop.value = stopping_html(self._stopping_text())
+        took = self.dashboard.draw(states, self.smoothing, self.logy)
+        # The next update when drawing has cost no more than its share of a core (the table
+        # waits with the figure: one picture of the run, never one behind the other).
+        self.throttle.interval = figure_wait(took, self.agg.world)
         self.redraws += 1
         return True
 
@@ -445,11 +474,20 @@ class LiveView:
         framework: str,
         detail: str = "",
         key: str | None = None,
+        steps_taken: int | None = None,
     ) -> str | None:
         """The static figure in the panel's place and the summary line (returned); None
         without metrics (and the panel's place, if one was held, left empty). ``key``: the
-        model the cell trained (``framework:log`` for a cell that logged without one)."""
+        model the cell trained (``framework:log`` for a cell that logged without one);
+        ``steps_taken``: after a graceful stop, the steps every rank took: the points of a
+        step beyond them (its update not taken) are left out, though the panel showed them."""
         self.trains(key or f"{framework}:log")
+        if steps_taken is not None:
+            history = [h for h in history if h["step"] < steps_taken]
+            total, self.agg = self.agg.total_steps, Aggregate(
+                self.agg.world, start=self.agg.start, earlier=self.agg.earlier
+            )
+            self.agg.total_steps = total
         self.agg.add(history)
         dashboard, self.dashboard = self.dashboard, None
         if dashboard is not None:
@@ -459,7 +497,8 @@ class LiveView:
                 self._show({"text/plain": ""})
             return None
         if self.plot:
-            if dashboard is not None and dashboard.drawn == self.agg.seen:
+            reusable = dashboard is not None and steps_taken is None
+            if reusable and dashboard.drawn == self.agg.seen:
                 png = dashboard.image.value  # the live figure is up to date: no second render
             else:
                 png = self._figure().png(self.agg, self.smoothing, self.logy)

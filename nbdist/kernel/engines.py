@@ -171,10 +171,14 @@ def status_text(
     warm: Iterable[str],
     dead: dict[int, str] | None = None,
     advice: str | None = None,
+    notes: Sequence[str] = (),
+    running: dict[int, str] | None = None,
 ) -> str:
     """``%distrain status``: the hosts, then one line per rank (beyond ``MANY_RANKS``
     ranks, each host's busy and idle count instead, and the busy ranks); ``advice``: what the
-    next cell does about dead ranks (``DEAD_ADVICE`` by default)."""
+    next cell does about dead ranks (``DEAD_ADVICE`` by default); ``notes``: lines on the
+    cluster itself (its network), after the ranks; ``running``: the cell a busy rank still
+    runs, as the notebook named it (a connected engine that ignored the interrupt)."""
     advice = advice or DEAD_ADVICE
     hosts = by_host(engines)
     grouped = len(engines) > MANY_RANKS
@@ -200,17 +204,20 @@ def status_text(
             lines.append(f"dead ranks: {spans(sorted(dead))}. {advice}")
         if warm:
             lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
-        return "\n".join(lines)
+        return "\n".join([*lines, *notes])
     lines.append(f"{'rank':>4}  {'engine':>6}  {'host':<20} {'pid':>8}  {'gpu':<5} {'state'}")
     dead = dead or {}
     for e in engines:
         state = "busy" if busy.get(e.rank) else "idle"
+        if busy.get(e.rank) and (running or {}).get(e.rank):
+            state = f"busy: still runs {running[e.rank]}"
         if e.rank in dead:
             state = f"dead: {dead[e.rank]}" if dead[e.rank] else "dead"
         gpu = e.gpu if e.gpu is not None else "-"
         lines.append(f"{e.rank:>4}  {e.engine_id:>6}  {e.host:<20} {e.pid:>8}  {gpu:<5} {state}")
     if warm:
         lines.append(f"frameworks loaded: {', '.join(sorted(warm))}")
+    lines += notes
     if dead:
         lines.append(advice)
     return "\n".join(lines)
@@ -380,7 +387,13 @@ class RankedEngines:
     def connected_text(self) -> str:
         return connected_text(self.engines)
 
-    def status_text(self, warm: Iterable[str] = (), *, advice: str | None = None) -> str:
+    def status_text(
+        self,
+        warm: Iterable[str] = (),
+        *,
+        advice: str | None = None,
+        running: dict[int, str] | None = None,
+    ) -> str:
         if not self.running:
             return "nbdist: no cluster running. %distrain start [-n N] starts one."
         return status_text(
@@ -390,7 +403,13 @@ class RankedEngines:
             warm=warm,
             dead=self.dead_reasons(),
             advice=advice,
+            notes=self.status_notes(),
+            running=running,
         )
+
+    def status_notes(self) -> list[str]:
+        """Lines on the cluster for ``%distrain status`` (the local one: its network)."""
+        return []
 
     def _forget_engines(self, note: str | None = None) -> None:
         """The engines are gone or about to change: the session hears of it (``note``: what to

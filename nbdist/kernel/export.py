@@ -24,7 +24,7 @@ from typing import Any
 
 from nbdist.errors import ExportError
 from nbdist.kernel.checks import calls
-from nbdist.protocol import pack
+from nbdist.protocol import CellName, pack
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class CellRecord:
     kind: str = "cell"  # or "push": a %distrain push between cells (source empty)
     # The machines the ranks ran on, in rank order: (hostname, address, interface, workers).
     nodes: tuple[tuple[str, str, str | None, int], ...] = ()
+    name: CellName = field(default_factory=CellName)  # as the notebook named it
 
 
 _LOG = '''
@@ -291,7 +292,8 @@ def _cell_code(index: int, cell: CellRecord) -> str:
     if cell.on is not None:
         ranks = ", ".join(map(str, cell.on)) + ("," if len(cell.on) == 1 else "")
         body = f"if rank in ({ranks}):\n{textwrap.indent(body, '    ')}"
-    title = f"# --- cell {index + 1}" + (" (--fresh)" if cell.fresh else "") + " "
+    name = cell.name.label if cell.name.count is not None else f"cell {index + 1}"
+    title = f"# --- {name}" + (" (--fresh)" if cell.fresh else "") + " "
     return title + "-" * (93 - len(title)) + "\n" + body + "\n"
 
 
@@ -392,6 +394,13 @@ def export_script(
     return written
 
 
+def _umask() -> int:
+    """This process's umask (reading it means setting it: put back at once)."""
+    current = os.umask(0o077)
+    os.umask(current)
+    return current
+
+
 def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
     """Create ``path`` with ``data``, never through a symbolic link; an existing file (or
     link) is an ExportError unless ``replace``, and then replaced in one step: a new file
@@ -410,7 +419,9 @@ def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
         return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
-        os.fchmod(fd, mode)
+        # As a new file gets it (os.open applies the umask): under umask 077 the script, the
+        # cells' source, stays this user's alone when it replaces one too.
+        os.fchmod(fd, mode & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

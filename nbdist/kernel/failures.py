@@ -10,7 +10,7 @@ the failure, and what to do about ranks a connected cluster left running.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbdist.engine import backends
@@ -205,14 +205,25 @@ def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | 
     return None
 
 
-def graceful_stop(stopped_at: dict[int, int]) -> JobInterrupted:
-    """The cell a graceful stop ended: at which step, and that the session goes on."""
+def graceful_stop(
+    stopped_at: dict[int, int], step_text: Callable[[int], str] = lambda s: f"step {s}"
+) -> JobInterrupted:
+    """The cell a graceful stop ended: after which step (``stopped_at``: each rank's steps
+    taken; said as the panel numbers steps, from 0 as ``for step in range(n)`` does, and by
+    ``step_text``: the cell's, and the session's where they differ), and that the session goes
+    on."""
     steps = sorted(set(stopped_at.values()))
     if len(steps) == 1:
-        where = f"every rank stopped after step {steps[0]} of this cell"
+        taken = steps[0]
+        where = (
+            f"every rank stopped after {step_text(taken - 1)} ({taken} step"
+            f"{'' if taken == 1 else 's'} taken)"
+            if taken
+            else "every rank stopped before its first step"
+        )
     else:  # no collective in each step kept the ranks together
         where = (
-            "the ranks stopped at different steps ("
+            "the ranks stopped after different numbers of steps of this cell ("
             + ", ".join(f"rank {r}: {s}" for r, s in sorted(stopped_at.items()))
             + "): the loop has no collective in every step to keep them together"
         )
@@ -260,12 +271,13 @@ def network_note(failures: list[RankFailure], network: Any) -> str | None:
     )
 
 
-def _waits_in(where: Waiting | None) -> str:
-    """`` in <collective> (cell line N: <text>)`` as far as the rank told where it waits."""
+def _waits_in(where: Waiting | None, cell: str) -> str:
+    """`` in <collective> (Cell In[12], line N: <text>)`` as far as the rank told where it
+    waits (``cell``: the cell's label)."""
     if where is None:
         return ""
     what = f" in {where.collective}" if where.collective else ""
-    return f"{what} (cell line {where.line}: {where.line_text})"
+    return f"{what} ({cell}, line {where.line}: {where.line_text})"
 
 
 def _collectives(stalled: Stall) -> dict[int, str]:
@@ -290,7 +302,7 @@ def disagree_message(stalled: Stall, limit: float | None, outcome: Outcome) -> s
 
     def at(rank: int) -> str:
         step = "before its first step" if steps.get(rank) is None else f"at step {steps[rank]}"
-        return f"rank {rank} waits {step}{_waits_in(where.get(rank))}"
+        return f"rank {rank} waits {step}{_waits_in(where.get(rank), stalled.cell)}"
 
     freed = [r for r in waiting if r not in outcome.stopped]
     backend = backends.load(stalled.framework)
@@ -385,12 +397,14 @@ def stall_message(
     if waiting and len(waiting) < len(stuck):
         stuck = [r for r in stuck if r not in waiting]
     parts = [
-        f"rank {r} is stuck {at(r)}{_waits_in(where.get(r))} (no progress for "
+        f"rank {r} is stuck {at(r)}{_waits_in(where.get(r), stalled.cell)} (no progress for "
         f"{stalled.idle[r]:.0f} s)"
         for r in stuck
     ]
     parts += [
-        f"rank {r} waits {at(r)}{_waits_in(where.get(r))}" for r in job_ranks if r not in stuck
+        f"rank {r} waits {at(r)}{_waits_in(where.get(r), stalled.cell)}"
+        for r in job_ranks
+        if r not in stuck
     ]
     return (
         f"no progress for {limit:g} s: {'; '.join(parts)}. "

@@ -13,10 +13,16 @@ from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
 from nbdist.ranks import MANY_RANKS
 
 MAX_POINTS = 2000
+# 864 x 288 pixels: 10-point titles are ~13 px, readable where the notebook shows the picture at
+# its own size (the live image and the final one alike: nothing jumps when one replaces the
+# other).
+DPI = 96
+SIZE_INCHES = (9.0, 3.0)
 FIGURE_TEXT = "<nbdist figure: loss and throughput>"
 LOSS_TITLE = "loss (mean over ranks, min–max band)"
 EARLIER = "; pale: earlier cells"
 RATE_TITLE = "throughput (samples/s)"
+SESSION_STEPS = "step in the session"
 BAND_TITLE = "samples/s per rank (mean, min–max band)"
 
 
@@ -68,14 +74,16 @@ class Figure:
     per redraw, which keeps one redraw to a few tens of milliseconds (the kernel shares the
     machine's cores with the workers; making the figure costs as much again)."""
 
-    def __init__(self, world: int, *, dpi: int = 72) -> None:
+    def __init__(self, world: int, *, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure as MplFigure
         from matplotlib.ticker import FormatStrFormatter
 
-        self.fig = MplFigure(figsize=(9, 3), dpi=dpi)
+        self.fig = MplFigure(figsize=SIZE_INCHES, dpi=dpi)
         FigureCanvasAgg(self.fig)
-        self.fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.9, wspace=0.25)
+        # Room on the right for the throughput's legend, beside its lines, never over them.
+        right = 0.98 if world > MANY_RANKS else 0.89
+        self.fig.subplots_adjust(left=0.07, right=right, bottom=0.17, top=0.9, wspace=0.25)
         self.ax_loss, self.ax_rate = self.fig.subplots(1, 2)
         # Titles at a fixed height: placed automatically, they cost a layout pass (~15 ms) a draw.
         self.world = world
@@ -98,7 +106,10 @@ class Figure:
             self.rank_lines = [
                 self.ax_rate.plot([], [], alpha=0.6, label=f"rank {r}")[0] for r in range(world)
             ]
-            self.ax_rate.legend(loc="lower right", fontsize="small")
+            self.ax_rate.legend(
+                loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False,
+                borderaxespad=0.0, handlelength=1.2,
+            )  # fmt: skip
         self.note = self.ax_rate.text(
             0.5, 0.5, "", transform=self.ax_rate.transAxes, ha="center", va="center", color="0.4"
         )
@@ -115,6 +126,8 @@ class Figure:
         self.earlier_line.set_data(xs, ys)
         # In the title, not a legend: a legend costs ~15 ms a draw.
         self.ax_loss.set_title(LOSS_TITLE + (EARLIER if earlier else ""), y=1.0, fontsize=10)
+        # The steps' count, as the table and the summary label it.
+        self.ax_loss.set_xlabel(SESSION_STEPS if earlier else "step")
         self.mean_line.set_data([], [])
         if self.band is not None:
             self.band.remove()
@@ -182,6 +195,11 @@ class Figure:
             title = BAND_TITLE
         self.ax_rate.set_title(title, y=1.0, fontsize=10)
         return times
+
+    @property
+    def width_px(self) -> int:
+        """The picture's width in pixels, as the notebook should show it."""
+        return round(self.fig.get_figwidth() * self.fig.dpi)
 
     def png(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> bytes:
         self.draw(agg, smoothing, logy)

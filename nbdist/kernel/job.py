@@ -426,6 +426,7 @@ class Job:
             idle={self.ranks[p]: seconds for p, seconds in idle_for.items()},
             framework=self.framework,
             release_s=self._release_s,
+            cell=self.specs[0].cell.label,
             # Where each waiting rank's cell is (nbdist.engine.waiting), when it said.
             where={self.ranks[p]: _where(self.ars[p]) for p in waiting},
             # Ranks that finished the cell while others wait: they ran fewer steps.

@@ -407,6 +407,9 @@ class LocalCluster(RankedEngines):
         except psutil.NoSuchProcess:
             return None, False
 
+    def status_notes(self) -> list[str]:
+        return [self.network.details()] if self.network is not None else []
+
     def network_now(self) -> str | None:
         """The network the running workers have: "private", "isolated" or "host" (None: no
         local cluster runs)."""

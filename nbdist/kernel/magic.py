@@ -20,6 +20,7 @@ from nbdist.kernel import commands
 from nbdist.kernel.netns import MODES
 from nbdist.kernel.options import _names, _positive_int, parse_run_options, run_parser
 from nbdist.kernel.session import Session
+from nbdist.protocol import CellName
 
 _DOC = """Run a cell as a distributed training job, one worker per GPU (2 on CPU).
 
@@ -346,8 +347,14 @@ class DistrainMagics(Magics):
         self.session.interrupt_path = _interrupt_path(shell)
         self.session.live_progress = getattr(shell, "kernel", None) is not None
         self.auto = False
+        self._auto_cell = False  # the cell being run is one auto mode sent to the workers
         self._prestarted = False  # workers started at %load_ext that no command has used yet
         shell.input_transformers_cleanup.append(self._transform)
+        # The number IPython gives the cell that runs (In [12]): by the time a cell magic runs,
+        # the shell's count is the next cell's, for a cell kept in the history.
+        self._cell_count: int | None = None
+        shell.events.register("pre_run_cell", self._cell_starts)
+        shell.events.register("post_run_cell", self._cell_ends)
 
     @property
     def cluster(self) -> Any:
@@ -389,10 +396,15 @@ class DistrainMagics(Magics):
     @line_cell_magic
     def distrain(self, line: str, cell: str | None = None):
         self._prestarted = False
+        auto, self._auto_cell = self._auto_cell, False
         if cell is None:
             return self._subcommand(line)
         opts = parse_run_options(line)
-        return self.session.run(opts, cell, self.shell.user_ns)
+        # Named as IPython names the cell (In [12]), its lines as the editor shows them: the
+        # %%distrain line is line 1, but in a cell auto mode sends, which has none.
+        count = self.shell.execution_count if self._cell_count is None else self._cell_count
+        name = CellName(count=count, first_line=1 if auto else 2)
+        return self.session.run(opts, cell, self.shell.user_ns, name)
 
     @cell_magic
     def local(self, line: str, cell: str):
@@ -414,6 +426,7 @@ class DistrainMagics(Magics):
             return lines[1:] or ["\n"]
         if not self.auto or not first or first.startswith(("%", "!", "?")):
             return lines
+        self._auto_cell = True  # the cell's own first line is line 1 (see distrain)
         return ["%%distrain\n", *lines]
 
     def _check(self, text: str) -> None:
@@ -553,9 +566,24 @@ class DistrainMagics(Magics):
             else "nbdist: heal off: a worker that dies takes the session's variables with it"
         )
 
+    def _cell_starts(self, info: Any) -> None:
+        count = self.shell.execution_count
+        self._cell_count = count - 1 if getattr(info, "store_history", False) else count
+
+    def _cell_ends(self, result: Any) -> None:
+        self._cell_count = None
+
     def close(self) -> None:
         if self._transform in self.shell.input_transformers_cleanup:
             self.shell.input_transformers_cleanup.remove(self._transform)
+        for event, callback in (
+            ("pre_run_cell", self._cell_starts),
+            ("post_run_cell", self._cell_ends),
+        ):
+            try:
+                self.shell.events.unregister(event, callback)
+            except ValueError:
+                pass
         self.session.close()
 
 

@@ -168,20 +168,44 @@ class PrivateNetwork:
         self.outbound, self._outbound_exit = proc, exit_w
 
     def describe(self) -> str:
-        """One line for the start notice: what network the workers have."""
+        """The start notice's one line: what network the workers have, in plain words (the
+        details are :meth:`details`, in ``%distrain status``)."""
         if not self.private:
             return (
-                f"nbdist: the workers share this machine's network ({self.reason}): other local "
-                "users can reach their torch store and gloo ports on 127.0.0.1, and multi-worker "
-                "TensorFlow jobs need --expose-tf"
+                f"nbdist: the workers share this machine's network, so other users of it can "
+                f"reach their ports ({self.reason}); %distrain status says more"
             )
-        why = "it keeps TensorFlow's servers, which run any code sent to them, to the workers"
         if self.outbound is None:
-            how = "" if self.isolated else " (slirp4netns, when installed, gives it one)"
             return (
-                f"nbdist: the workers have a network of their own with no way out{how} ({why}): "
-                "download data in the notebook (the workers see its files), or %distrain "
-                "restart --network host"
+                "nbdist: the workers have a private network with no way out: download data in "
+                "the notebook (the workers see its files); %distrain status says more"
+            )
+        return (
+            "nbdist: the workers have a private network: they can connect out, nothing can "
+            "connect in; %distrain status says more"
+        )
+
+    def details(self) -> str:
+        """``%distrain status``'s line on the network: what it keeps out, and why."""
+        if not self.private:
+            return (
+                f"network: this machine's ({self.reason}): other local users can reach the "
+                "workers' torch store and gloo ports on 127.0.0.1, and multi-worker TensorFlow "
+                "jobs need --expose-tf"
+            )
+        why = (
+            "a network namespace of their own; it keeps the ports of torch's store and gloo, and "
+            "TensorFlow's servers (which run any code sent to them), to the workers"
+        )
+        if self.outbound is None:
+            how = (
+                "--network isolated"
+                if self.isolated
+                else "slirp4netns is not installed (it gives outbound connections)"
+            )
+            return (
+                f"network: private, no way out ({how}): {why}; %distrain restart --network host "
+                "gives them this machine's"
             )
         names = (
             ""
@@ -192,8 +216,8 @@ class PrivateNetwork:
             )
         )
         return (
-            f"nbdist: the workers have a network of their own ({why}), with outbound "
-            f"connections only (slirp4netns: nothing outside can connect in){names}"
+            f"network: private, outbound connections only (slirp4netns: nothing outside can "
+            f"connect in): {why}{names}"
         )
 
     def controller_args(self) -> list[str]:

@@ -39,7 +39,7 @@ from nbdist.kernel.relay import without_addresses
 from nbdist.kernel.result import DistrainResult, PerRank, RankResult
 from nbdist.kernel.scan import ScanResult, run_scan
 from nbdist.kernel.source import dotted_imports, parse_cell
-from nbdist.protocol import SessionState
+from nbdist.protocol import CellName, SessionState
 
 
 class Session:
@@ -75,6 +75,8 @@ class Session:
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
         self.curve_key: str | None = None  # the model they trained (Recorder.model's key)
+        # Ranks of a connected cluster still running a cell nbdist gave up on: which cell.
+        self.still_running: dict[int, str] = {}
         self._run_id = 0
         self._changes: list[str | None] = []  # the engines changed: what to tell, not yet told
 
@@ -199,7 +201,9 @@ class Session:
 
     def status_text(self) -> str:
         self.ready()
-        return self.cluster.status_text(self.warm, advice=self.dead_advice())
+        return self.cluster.status_text(
+            self.warm, advice=self.dead_advice(), running=self.still_running
+        )
 
     def dead_advice(self) -> str:
         """What the next cell does about ranks that died between cells."""
@@ -301,8 +305,11 @@ class Session:
             self.notify(f"nbdist: {why}; the workers' variables ({', '.join(names)}) were dropped")
         self.forget()
 
-    def report_findings(self, source: str, workers: int | None, *, quiet: bool = True) -> list:
-        """Show what the mistakes checker finds in ``source``, one line each."""
+    def report_findings(
+        self, source: str, workers: int | None, *, quiet: bool = True, cell: CellName | None = None
+    ) -> list:
+        """Show what the mistakes checker finds in ``source``, one line each (``cell``: the
+        cell it is, whose lines the findings name as the editor shows them)."""
         if self.cluster.running:
             gpus = sum(e.gpu is not None for e in self.cluster.engines)
         else:
@@ -311,6 +318,8 @@ class Session:
             world_size=workers or default_workers(),
             gpus=gpus,
             earlier=tuple(c.source for c in self.cells if c.kind == "cell"),
+            earlier_cells=tuple(c.name for c in self.cells if c.kind == "cell"),
+            cell=cell,
         )
         findings = check_source(source, context)
         for finding in findings:
@@ -320,28 +329,38 @@ class Session:
         return findings
 
     # -- a cell ----------------------------------------------------------------------------------
-    def run(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> Any:
-        """Run ``source`` on the workers; returns what the cell shows (its last value)."""
+    def run(
+        self,
+        opts: RunOptions,
+        source: str,
+        user_ns: dict[str, Any],
+        cell: CellName | None = None,
+    ) -> Any:
+        """Run ``source`` on the workers; returns what the cell shows (its last value).
+        ``cell``: how the notebook names it (its execution count, its first line)."""
         self.view = None
-        tree = parse_cell(source)
+        cell = cell or CellName()
+        tree = parse_cell(source, cell)
         if opts.check_only:
-            self.report_findings(source, opts.workers, quiet=False)
+            self.report_findings(source, opts.workers, quiet=False, cell=cell)
             return None
         if opts.scan is not None:
-            return self._scan(opts, source, user_ns)
-        result, shown = self._run(opts, source, tree, user_ns)
+            return self._scan(opts, source, user_ns, cell)
+        result, shown = self._run(opts, source, tree, user_ns, cell)
         if opts.out is not None:
             user_ns[opts.out] = result
         return None if source.rstrip().endswith(";") else shown
 
-    def _scan(self, opts: RunOptions, source: str, user_ns: dict[str, Any]) -> ScanResult:
-        first, tree = opts.scan[0], parse_cell(source)
+    def _scan(
+        self, opts: RunOptions, source: str, user_ns: dict[str, Any], cell: CellName
+    ) -> ScanResult:
+        first, tree = opts.scan[0], parse_cell(source, cell)
 
         def run(n: int) -> DistrainResult:
             # One figure for the whole scan; the checker's warnings once, before the first run.
             single = replace(opts, workers=n, scan=None, plot=False, out=None, fresh=True,
                              check=opts.check and n == first)  # fmt: skip
-            return self._run(single, source, tree, user_ns)[0]
+            return self._run(single, source, tree, user_ns, cell)[0]
 
         scan = run_scan(
             run, opts.scan, plot=opts.plot, display=self.display,
@@ -352,11 +371,16 @@ class Session:
         return scan
 
     def _run(
-        self, opts: RunOptions, source: str, tree: ast.Module, user_ns: dict[str, Any]
+        self,
+        opts: RunOptions,
+        source: str,
+        tree: ast.Module,
+        user_ns: dict[str, Any],
+        cell: CellName | None = None,
     ) -> tuple[DistrainResult, Any]:
         """One cell, and its outcome applied to the session."""
         self.ready()
-        done = Cell(self, opts, source, tree, user_ns).run()
+        done = Cell(self, opts, source, tree, user_ns, cell).run()
         if done.state in (SessionState.DROPPED, SessionState.REPLACED, SessionState.STOPPED):
             self.forget()
         if done.error is not None and done.result is None:
@@ -379,6 +403,7 @@ class Session:
                 fresh=opts.fresh,
                 on=opts.on,
                 nodes=_nodes(self.cluster.engines[: done.plan.world]),
+                name=cell or CellName(),
             )  # fmt: skip
         )
         if done.error is not None:  # a graceful stop: the cell is taken in, then the notice

@@ -1,14 +1,17 @@
 """A person's view: JupyterLab and Notebook 7 in Debian's Chromium, driven by Playwright.
 
 Runs a ``%%distrain`` cell in a real front end and reads the page: the live panel's step grows
-while the cell trains, Stop (which asks the server to interrupt the kernel) stops every rank
-after the same step, the final figure and summary appear, the next cell finds the replicas
-identical, and the notebook, saved as a person saves it, is valid.
-Screenshots go to ``build/browser/``.
+while the cell trains and its figure keeps up with its table (redrawn within one update of
+it), Stop (which asks the server to interrupt the kernel) stops every rank after the same step,
+the final figure takes the live one's place at the same size, the summary and the Stop message
+name the same step, the next cell finds the replicas identical, a cell that fails is named as
+the notebook numbers it (``Cell In[4], line 3``), and the notebook, saved as a person saves it,
+is valid. Screenshots go to ``build/browser/``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import nbformat
@@ -18,6 +21,7 @@ from tests.browser.jupyter import (
     CHROMIUM,
     SHOTS,
     Jupyter,
+    cell,
     launch,
     open_notebook,
     outputs,
@@ -48,10 +52,38 @@ def front_end(request, tmp_path):
         pytest.skip("no Chromium found: install Debian's chromium (apt-get install chromium)")
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser needed)")
     pytest.importorskip("jupyterlab" if request.param == "lab" else "notebook")
-    write_notebook(tmp_path / "panel.ipynb", ["%load_ext nbdist", CELL, "%distrain compare model"])
+    write_notebook(
+        tmp_path / "panel.ipynb", ["%load_ext nbdist", CELL, "%distrain compare model", FAILING]
+    )
     server = Jupyter(tmp_path, request.param)
     yield server
     server.stop()
+
+
+FAILING = "%%distrain\nif rank == 1:\n    raise ValueError('bad batch')\n"
+
+# Records, in the page, when the panel's table and its image change (ms since the page's start).
+WATCH = """() => {
+  const out = document.querySelectorAll('.jp-OutputArea')[1];
+  const table = out.querySelector('table'), img = out.querySelector('img');
+  window.nbdistChanges = {table: [], image: []};
+  new MutationObserver(() => window.nbdistChanges.table.push(performance.now()))
+    .observe(table.parentElement, {childList: true, subtree: true, characterData: true});
+  new MutationObserver(() => window.nbdistChanges.image.push(performance.now()))
+    .observe(img, {attributes: true, attributeFilter: ['src']});
+}"""
+
+
+def _lag_s(changes: dict[str, list[float]]) -> float:
+    """The longest the figure stayed behind a table update: for each table change, the time to
+    the first figure change at or after it (they are drawn together: each update changes both)."""
+    lags = []
+    for t in changes["table"]:
+        later = [i for i in changes["image"] if i >= t - 50]  # the same update, in either order
+        if later:
+            lags.append(max(0.0, min(later) - t))
+    assert lags, changes
+    return max(lags) / 1000
 
 
 def _step_of_rank0(page) -> int:
@@ -77,10 +109,19 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
             assert time.monotonic() < deadline, "the panel never showed a step"
             time.sleep(0.5)
         first = _step_of_rank0(page)
-        time.sleep(3)
+        page.evaluate(WATCH)
+        time.sleep(4)
         second = _step_of_rank0(page)
         page.screenshot(path=str(SHOTS / f"{app}_1_training.png"))
         assert second > first, f"the step shown did not grow: {first} then {second}"
+        # The figure keeps up with the table: redrawn with it, never an update behind (at most
+        # 2 s apart when drawing is slow, FIGURE_MAX_AGE_S).
+        changes = page.evaluate("() => window.nbdistChanges")
+        assert len(changes["image"]) >= 2, changes
+        assert _lag_s(changes) < 1.0, changes
+        live_width = outputs(page, 1).locator("img").evaluate(
+            "img => img.getBoundingClientRect().width"
+        )
 
         stop = page.get_by_role("button", name="Stop after this step")
         clicked = time.monotonic()
@@ -104,16 +145,33 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         assert cell_outputs.locator(".jp-RenderedImage img").count() == 1
         assert cell_outputs.locator("img").count() == 1
         assert cell_outputs.locator(".jupyter-widgets").count() == 0
-        # ...and it is a picture the browser could decode (a broken image has no width).
+        # ...and it is a picture the browser could decode (a broken image has no width), shown
+        # at the live figure's size: nothing jumps when it replaces the widgets.
         width = cell_outputs.locator("img").evaluate("img => img.naturalWidth")
-        assert width > 100
+        assert width == 864
+        shown = cell_outputs.locator("img").evaluate("img => img.getBoundingClientRect().width")
+        assert abs(shown - live_width) <= 2, (shown, live_width)
         assert stopped_after < 10
-        assert "The workers' variables are kept" in cell_outputs.inner_text()
+        said = cell_outputs.inner_text()
+        assert "The workers' variables are kept" in said
+        # One count of steps: the Stop message's and the summary's are the same step.
+        stopped = re.search(r"every rank stopped after step (\d+) \((\d+) steps taken\)", said)
+        summary = re.search(r"final loss \S+ \(step (\d+), mean over ranks\)", said)
+        assert stopped and summary, said
+        assert stopped.group(1) == summary.group(1), said
+        assert int(stopped.group(2)) == int(stopped.group(1)) + 1
         # The model the stop kept, in the next cell: the same on both ranks.
         run_cell(page, 2)
         compared = outputs(page, 2).inner_text()
         page.screenshot(path=str(SHOTS / f"{app}_3_compared.png"))
         assert "model: identical on 2 ranks" in compared, compared
+        # A cell that fails is named as the notebook numbers it, its line as the editor shows.
+        run_cell(page, 3)
+        failed = outputs(page, 3).inner_text()
+        prompt = cell(page, 3).locator(".jp-InputPrompt").inner_text().strip()
+        count = re.search(r"\d+", prompt).group(0)
+        page.screenshot(path=str(SHOTS / f"{app}_4_failed.png"))
+        assert f"at Cell In[{count}], line 3: raise ValueError('bad batch')" in failed, failed
 
         save(page)
         browser.close()

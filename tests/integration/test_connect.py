@@ -19,6 +19,7 @@ from IPython.core.error import UsageError
 
 from nbdist import ClusterError
 from nbdist.kernel.connected import ConnectedCluster
+from tests.cells import cell_in
 from tests.procs import no_process_left
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -355,6 +356,9 @@ def test_a_rank_that_ignores_the_interrupt_is_left_running_and_said_so(
     ) in str(info.value)
     assert str(info.value).startswith("the job ran past --timeout 2 s. Raise --timeout")
     assert [e.pid for e in magics.cluster.engines][1] == stubborn.pid
+    # The status names the cell the engine still runs, as the notebook names it.
+    status = magics.session.status_text()
+    assert f" busy: still runs {cell_in(shell)}" in status, status
     go_on.touch()  # it ends on its own; the next cell runs once it has
     shell.run_cell_magic("distrain", "-o res --no-plot", "world_size")
     assert shell.user_ns["res"].values == [2, 2]

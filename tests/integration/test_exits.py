@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 
 from nbdist import WorkerError
 from nbdist.errors import EXIT_NOTE
+from tests.cells import cell_in
 from tests.procs import gone_or_zombie
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -35,7 +36,7 @@ def test_exit_ends_the_cell_and_keeps_the_workers(fresh_session, magics, capsys,
         sh.run_cell_magic("distrain", "", cell)
     error = info.value
     assert str(error).splitlines()[0] == f"rank 1 (host {os.uname().nodename}) raised {headline}"
-    assert f"at cell line 3: {call}" in str(error)
+    assert f"at {cell_in(sh)}, line 4: {call}" in str(error)
     rendered = error._render_traceback_()
     assert EXIT_NOTE in rendered
     assert rendered[-1] == (

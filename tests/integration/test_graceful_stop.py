@@ -7,6 +7,7 @@ the same), on real engines with a real gloo group.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -82,12 +83,18 @@ def _both_seen_stepping(magics):
 
 
 def _stopped_step(message: str) -> int:
-    head = "stopped (Stop button or Kernel > Interrupt): every rank stopped after step "
-    assert message.startswith(head), message
-    return int(message[len(head) :].split(" ", 1)[0])
+    """The steps every rank took, as the message says them: after step N (numbered from 0, as
+    the panel numbers them), N + 1 steps taken."""
+    said = re.match(
+        r"stopped \(Stop button or Kernel > Interrupt\): every rank stopped after step (\d+)"
+        r"(?: of this cell, \d+ in the session)? \((\d+) steps? taken\)\.",
+        message,
+    )
+    assert said and int(said.group(2)) == int(said.group(1)) + 1, message
+    return int(said.group(2))
 
 
-def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics):
+def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics, capsys):
     sh = fresh_session
     sh.run_cell_magic("distrain", "", BUILD)
     pids = [e.pid for e in magics.cluster.engines]
@@ -99,7 +106,9 @@ def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics)
     sender.join()
     message = str(info.value)
     steps = _stopped_step(message)
-    assert message.endswith(f"of this cell.\n{KEPT}")
+    # The first cell that trains this model: one count, the cell's.
+    taken = f"{steps} step{'s' if steps != 1 else ''} taken"
+    assert message.endswith(f"after step {steps - 1} ({taken}).\n{KEPT}"), message
     assert steps >= 1
     assert took < 2.0  # within 2 s of the click (not the fallback's wait)
     assert magics.session.view.stopping_step == steps  # what the Stop button said meanwhile
@@ -110,8 +119,14 @@ def test_stop_keeps_the_model_and_the_next_cell_trains_on(fresh_session, magics)
     assert same.identical and same.max_abs_diff == 0.0
     assert magics.session.variables == ["X", "Y", "done", "g", "loss", "model", "opt", "step"]
     assert [e.pid for e in magics.cluster.engines] == pids
-    # The next cell trains on, from there, on the same group.
+    # The next cell trains on, from there, on the same group; its steps continue the session's
+    # curve, and the summary gives both counts.
+    capsys.readouterr()
     sh.run_cell_magic("distrain", "--no-plot", _train(steps=5))
+    assert (
+        f"(mean over ranks; step 4 of this cell, {steps + 4} in the session) · "
+        in capsys.readouterr().out
+    )
     assert sh.run_cell_magic("distrain", "", "done") == steps + 5
     assert sh.run_line_magic("distrain", "compare model").identical
 

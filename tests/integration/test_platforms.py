@@ -72,11 +72,11 @@ def test_a_platform_that_refuses_namespaces_runs_on_the_host_network_and_says_wh
     out = _kernel(seccomp.refusing("unshare", err=err))
     assert "VALUES [2, 2]" in out.stdout, out.stdout + out.stderr
     notice = next(line for line in out.stdout.splitlines() if "share this machine's" in line)
-    assert notice.startswith(f"nbdist: the workers share this machine's network ({cause}")
-    assert notice.endswith(
-        "other local users can reach their torch store and gloo ports on 127.0.0.1, and "
-        "multi-worker TensorFlow jobs need --expose-tf"
-    )
+    assert notice.startswith(
+        "nbdist: the workers share this machine's network, so other users of it can reach "
+        f"their ports ({cause}"
+    ), notice
+    assert notice.endswith("); %distrain status says more"), notice
 
 
 @pytest.mark.skipif(not seccomp.available(), reason="the seccomp filter is written for x86_64")
@@ -156,10 +156,17 @@ def test_the_private_network_connects_out_and_nothing_connects_in(shell, magics,
     shell.run_line_magic("distrain", "restart -n 2 --network private")
     try:
         out = capsys.readouterr().out
+        # One plain sentence at the start, nothing of TensorFlow; the detail in the status.
         assert (
-            "nbdist: the workers have a network of their own (it keeps TensorFlow's servers, "
-            "which run any code sent to them, to the workers), with outbound connections only "
-            "(slirp4netns: nothing outside can connect in)" in out
+            "nbdist: the workers have a private network: they can connect out, nothing can "
+            "connect in; %distrain status says more\n" in out
+        ), out
+        shell.run_line_magic("distrain", "status")
+        assert (
+            "network: private, outbound connections only (slirp4netns: nothing outside can "
+            "connect in): a network namespace of their own; it keeps the ports of torch's store "
+            "and gloo, and TensorFlow's servers (which run any code sent to them), to the "
+            "workers" in capsys.readouterr().out
         )
         cell = textwrap.dedent(
             f"""
@@ -259,7 +266,7 @@ def test_a_cluster_runs_as_an_unprivileged_user():
         readable()
         shutil.rmtree(home, ignore_errors=True)
     assert "VALUES [(2, 4242, True), (2, 4242, True)]" in out.stdout, out.stdout + out.stderr
-    assert "a network of their own" in out.stdout
+    assert "the workers have a private network" in out.stdout
     assert _running_as(4242, within=10) == []
 
 

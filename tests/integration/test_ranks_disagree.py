@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nbdist import JobStalled, JobTimeout, RanksDisagree, WorkerError
+from tests.cells import cell_in
 from tests.fsdp import fully_shard_import
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
@@ -45,7 +46,7 @@ JOINED = (
 # What the uneven loop's RanksDisagree says, when the finished rank freed the waiting one.
 FREED = (
     "no progress for 3 s: rank 1 finished the cell after 10 steps, while rank 0 waits at "
-    "step 10 in DDP's gradient all-reduce in backward() (cell line 12: loss.backward()): a "
+    "step 10 in DDP's gradient all-reduce in backward() (CELL, line 13: loss.backward()): a "
     "collective that rank 1 will never join. The ranks ran different numbers of steps: give "
     "every rank the same number of batches (DistributedSampler pads; drop_last=True), or "
     "wrap the loop in torch.distributed.algorithms.Join. nbdist freed rank 0 without killing "
@@ -75,7 +76,7 @@ def test_uneven_inputs_are_named_and_the_waiting_rank_freed(ready, magics):
         ready.run_cell_magic("distrain", "--stall 3", uneven())
     elapsed = time.monotonic() - start
     print(info.value)
-    assert str(info.value).splitlines()[0] == FREED
+    assert str(info.value).splitlines()[0] == FREED.replace("CELL", cell_in(ready))
     assert elapsed < 3 + 5
     assert _pids(magics) == pids
     ready.run_cell_magic("distrain", "-o res", "dist.all_reduce(t := torch.ones(1))\nt.item()\n")
@@ -111,7 +112,7 @@ def test_uneven_inputs_after_an_fsdp2_cell_free_the_waiting_rank(ready, magics):
     pids = _pids(magics)
     with pytest.raises(RanksDisagree) as info:
         ready.run_cell_magic("distrain", "--stall 3", uneven())
-    assert str(info.value).splitlines()[0] == FREED
+    assert str(info.value).splitlines()[0] == FREED.replace("CELL", cell_in(ready))
     assert _pids(magics) == pids
     # The new group serves both FSDP2 and plain collectives, still on the same engines.
     ready.run_cell_magic("distrain", "-o res", fsdp2)
@@ -141,8 +142,9 @@ def test_ranks_in_different_collectives_are_named(ready, magics):
         ready.run_cell_magic("distrain", "--stall 3", cell)
     assert str(info.value).splitlines()[0] == (
         "no progress for 3 s: the ranks wait in different collectives: rank 0 waits before its "
-        "first step in torch.distributed.barrier (cell line 2: dist.barrier()); rank 1 waits "
-        "before its first step in torch.distributed.all_reduce (cell line 4: "
+        f"first step in torch.distributed.barrier ({cell_in(ready)}, line 3: dist.barrier()); "
+        "rank 1 waits before its first step in torch.distributed.all_reduce "
+        f"({cell_in(ready)}, line 5: "
         "dist.all_reduce(torch.ones(1))). Every rank must call the same collectives in the same "
         "order: look for a collective under `if rank == ...`, or in a loop whose length differs "
         "between ranks. Ranks 0, 1 could not be freed and had to be killed."
@@ -191,11 +193,11 @@ def test_killed_on_stall_is_a_stall(ready, magics):
     assert type(info.value) is JobStalled
     first = str(info.value).splitlines()[0]
     assert first.startswith(
-        "no progress for 3 s: rank 1 is stuck at step 5 (cell line 6: time.sleep(3600)) (no "
-        "progress for "
+        f"no progress for 3 s: rank 1 is stuck at step 5 ({cell_in(ready)}, line 7: "
+        "time.sleep(3600)) (no progress for "
     )
     assert first.endswith(
-        " s); rank 0 waits at step 5 in torch.distributed.all_reduce (cell line 7: "
+        f" s); rank 0 waits at step 5 in torch.distributed.all_reduce ({cell_in(ready)}, line 8: "
         "dist.all_reduce(torch.ones(1))). Stopped ranks 0, 1. Look for what the stuck rank waits "
         "for (a collective the other ranks skipped, a sleep, a deadlock), or allow longer pauses "
         "with --stall S."
@@ -212,7 +214,7 @@ def test_killed_after_a_worker_error_is_that_error(ready, magics):
     assert err.ranks == [1] and err.stopped == [0]
     assert str(err).splitlines()[:2] == [
         "rank 1 (host " + err.failures[0].host + ") raised ValueError: bad batch",
-        "  at cell line 2: raise ValueError('bad batch')",
+        f"  at {cell_in(ready)}, line 3: raise ValueError('bad batch')",
     ]
     assert "rank 0 stopped because a peer failed." in err._render_traceback_()
     _killed_and_replaced(ready, magics, pids)

@@ -9,6 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist import JobTimeout, WorkerDied, WorkerError
+from tests.cells import cell_in
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -216,7 +217,7 @@ def test_rank_1_raises_at_step_50(ready, magics):
     assert err.ranks == [1]
     assert str(err).startswith("rank 1 (host ")
     assert "raised ValueError: bad batch" in str(err)
-    assert "at cell line 18: if rank == 1 and epoch" in str(err)
+    assert f"at {cell_in(ready)}, line 19: if rank == 1 and epoch" in str(err)
     rendered = err._render_traceback_()
     assert sum(line.startswith("--- remote traceback") for line in rendered) == 1
     assert "rank 0 stopped because a peer failed." in rendered
@@ -473,12 +474,12 @@ def test_stalled_rank_is_named_with_its_step(ready, magics):
     assert time.monotonic() - start < 3 + 15
     message = str(info.value)
     assert message.startswith(
-        "no progress for 3 s: rank 1 is stuck at step 9 (cell line 18: if rank == 1 and epoch * "
-        "len(loader) + step == 10: __import__('time').sleep(3600)) (no progress for"
+        f"no progress for 3 s: rank 1 is stuck at step 9 ({cell_in(ready)}, line 19: if rank == 1 "
+        "and epoch * len(loader) + step == 10: __import__('time').sleep(3600)) (no progress for"
     )
     assert (
-        "; rank 0 waits at step 10 in DDP's gradient all-reduce in backward() (cell line 21: "
-        "loss.backward()). Stopped ranks 0, 1." in message
+        "; rank 0 waits at step 10 in DDP's gradient all-reduce in backward() "
+        f"({cell_in(ready)}, line 22: loss.backward()). Stopped ranks 0, 1." in message
     )
     assert "Stopped ranks 0, 1" in message
     _engines_idle(magics, within=5)

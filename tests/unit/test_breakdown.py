@@ -61,6 +61,19 @@ def test_a_fast_rank_waits_for_a_slow_one():
     assert report.notes == ()
     png = timeline_png(report)
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    # What the cell prints: the profiler's dip named, and no line break inside a number.
+    text = report.text().splitlines()
+    assert text[-1] == (
+        "note: the throughput dips over steps 2-3: that is the profiler's own cost while it "
+        "records, not the model's"
+    )
+    from dataclasses import replace
+
+    ops = (("aten::addmm", 0.125, 3.0), ("aten::mm", 0.05, 1.0))
+    with_ops = replace(report, ranks=(replace(r0, top_ops=ops), r1))
+    assert with_ops.top_text().splitlines()[0] == (
+        "  rank 0: aten::addmm\u00a00.1\u00a0ms, aten::mm\u00a00.1\u00a0ms"
+    )
 
 
 def test_overlap_is_part_of_computation_and_counted_once():
@@ -85,27 +98,27 @@ def test_ranks_that_ran_different_collectives_are_not_split():
 
 
 def test_a_rank_with_no_window_says_how_to_get_one():
-    report, text = from_reports({0: None, 1: None}, 3, skipped=2)
+    report, text = from_reports({0: None, 1: None}, "In3", skipped=2)
     assert report is None
     assert text == (
         "nbdist: --profile: no step was profiled on rank 0: the window opens after 2 optimizer "
         "steps (optimizer.step() calls); run more steps in the cell"
     )
-    report, text = from_reports({0: {"error": "OSError: disk full"}}, 3, skipped=2)
+    report, text = from_reports({0: {"error": "OSError: disk full"}}, "In3", skipped=2)
     assert text == "nbdist: --profile: rank 0 could not summarise its profile (OSError: disk full)"
 
 
 def test_traces_go_to_a_folder_of_this_users(tmp_path, monkeypatch):
     data = gzip.compress(json.dumps({"traceEvents": [{"name": "aten::mm", "ph": "X"}]}).encode())
-    folder = write_traces({0: data, 1: data}, 7, base=str(tmp_path))
-    assert os.path.basename(folder).startswith("cell7-")
+    folder = write_traces({0: data, 1: data}, "In7", base=str(tmp_path))
+    assert os.path.basename(folder).startswith("In7-")  # the cell as IPython names it
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     for r in (0, 1):
         path = os.path.join(folder, f"rank{r}.pt.trace.json.gz")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert trace_events(path) == [{"name": "aten::mm", "ph": "X"}]
     # A second cell in the same second gets a folder of its own.
-    assert write_traces({0: data}, 7, base=str(tmp_path)) != folder
+    assert write_traces({0: data}, "In7", base=str(tmp_path)) != folder
     # A link planted where the folder goes (another user's, in a shared folder) is refused.
     other = tmp_path / "elsewhere"
     other.mkdir()
@@ -113,5 +126,9 @@ def test_traces_go_to_a_folder_of_this_users(tmp_path, monkeypatch):
     shared.mkdir()
     (shared / "nbdist-profile").symlink_to(other)
     with pytest.raises(PermissionError, match="is not a folder of this user's"):
-        write_traces({0: data}, 1, base=str(shared))
+        write_traces({0: data}, "In1", base=str(shared))
     assert list(other.iterdir()) == []
+    # A folder of this user's that others may read or write into is refused, and said so.
+    (tmp_path / "nbdist-profile").chmod(0o755)
+    with pytest.raises(PermissionError, match=r"is open to other users \(mode 755\)"):
+        write_traces({0: data}, "In8", base=str(tmp_path))

@@ -25,7 +25,7 @@ def test_quotes_are_kept(stopped, capsys):
 def test_finding_in_quoted_code(stopped, capsys):
     magics, nothing_started = stopped
     magics.distrain("check dist.init_process_group('nccl')")
-    assert capsys.readouterr().out.startswith("nbdist check [nccl-without-gpu] cell line 1:")
+    assert capsys.readouterr().out.startswith("nbdist check [nccl-without-gpu] line 1:")
     nothing_started()
 
 
@@ -75,7 +75,8 @@ def test_check_only_sees_the_functions_of_the_sessions_earlier_cells(stopped, ca
     )
     magics.distrain("--check-only", "run_demo(demo_basic, 2)\n")
     assert capsys.readouterr().out.startswith(
-        "nbdist check [spawn-in-cell] cell line 1: in run_demo(), defined in an earlier cell "
-        "(its line 4): mp.spawn(...) starts worker processes from a %%distrain cell"
+        f"nbdist check [spawn-in-cell] Cell In[{magics.shell.execution_count}], line 2: in "
+        "run_demo(), defined in an earlier cell (its line 5): mp.spawn(...) starts worker "
+        "processes from a %%distrain cell"
     )
     nothing_started()

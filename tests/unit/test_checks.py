@@ -245,7 +245,7 @@ CASES += [
 def test_spawn_finding_names_the_function_to_call():
     (finding,) = check_source("mp.spawn(demo_basic, args=(2,), nprocs=2)\n", CPU)
     assert str(finding) == (
-        "nbdist check [spawn-in-cell] cell line 1: mp.spawn(...) starts worker processes from a "
+        "nbdist check [spawn-in-cell] line 1: mp.spawn(...) starts worker processes from a "
         "%%distrain cell: nbdist already runs one process per rank, and processes started from "
         "a worker cannot join its group (nbdist stops the cell with an error). Call "
         "demo_basic(rank, world_size) directly (see notebooks/08_when_ranks_disagree.ipynb, "
@@ -382,7 +382,7 @@ def test_finding_is_one_line_with_why_fix_and_pointer():
     (finding,) = check_source("dist.init_process_group('nccl')\n", CPU)
     text = str(finding)
     assert "\n" not in text
-    assert text.startswith("nbdist check [nccl-without-gpu] cell line 1: ")
+    assert text.startswith("nbdist check [nccl-without-gpu] line 1: ")
     assert "Use backend='gloo'" in text and "04_common_mistakes" in text
 
 

@@ -218,5 +218,5 @@ def test_vars_table_params_use_thousands_separators():
 
 
 def test_empty_vars_table():
-    assert repr(vars_table([[], []])) == "no variables on the workers yet"
-    assert vars_table([[]])._repr_html_() == "<p>no variables on the workers yet</p>"
+    assert repr(vars_table([[], []])) == "no variables on the workers"
+    assert vars_table([[]])._repr_html_() == "<p>no variables on the workers</p>"

@@ -66,6 +66,61 @@ def test_summary_line():
     )
 
 
+def test_a_cell_that_continues_the_session_says_both_step_counts():
+    """Steps are numbered from 0 in each cell, as its loop counts them; where the curve goes on
+    from earlier cells, the session's count is said beside the cell's, labelled, everywhere."""
+    from nbdist.kernel.curves import Segment
+    from nbdist.kernel.display import table_html
+    from nbdist.kernel.failures import graceful_stop
+
+    earlier = [Segment(steps=list(range(300)), loss=[1.0] * 300)]
+    agg = Aggregate(2, start=100.0, earlier=earlier)
+    agg.add(_points())
+    assert agg.summary(2.0, "torch").startswith(
+        "nbdist: final loss 7.5 (mean over ranks; step 3 of this cell, 303 in the session) · "
+    )
+    table = table_html(agg, ["running", "running"], now=101.0)
+    assert "<th>step (cell / session)</th>" in table and "<td>3 / 303</td>" in table
+    stop = graceful_stop({0: 4, 1: 4}, agg.step_text)
+    assert str(stop).startswith(
+        "stopped (Stop button or Kernel > Interrupt): every rank stopped after step 3 of this "
+        "cell, 303 in the session (4 steps taken).\n"
+    )
+    # A first cell: one count.
+    alone = Aggregate(2, start=100.0)
+    alone.add(_points())
+    assert "<th>step</th>" in table_html(alone, ["done", "done"], now=101.0)
+    assert str(graceful_stop({0: 1, 1: 1}, alone.step_text)).startswith(
+        "stopped (Stop button or Kernel > Interrupt): every rank stopped after step 0 (1 step "
+        "taken).\n"
+    )
+
+
+def test_after_a_graceful_stop_the_step_it_interrupted_is_left_out():
+    """Stopped after 3 steps taken: the panel had shown step 3's loss (computed, its update not
+    taken); the final figure and the summary end at step 2, as the Stop message says."""
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy)
+    live.throttle = Throttle(interval=0.5, clock=lambda: 1.0)
+    history = _points(steps=4)
+    live.update(history, ["running", "running"], force=True)
+    assert "<td>3</td>" in live.dashboard.table.value
+    summary = live.finish(
+        history, ["stopped", "stopped"], wall=1.0, framework="torch", steps_taken=3
+    )
+    assert summary.startswith("nbdist: final loss 8.5 (step 2, mean over ranks)")
+    assert live.agg.loss_curve()[0] == [0, 1, 2]
+
+
+def test_losses_read_alike_in_a_column_and_never_as_minus_zero():
+    from nbdist.kernel.curves import losses_text, number
+
+    assert losses_text([0.008133, 0.01014]) == ["0.00813", "0.01014"]
+    assert losses_text([2.5, None, 12.25]) == ["2.50", "", "12.25"]
+    assert losses_text([1e-12, 2e-12]) == ["1e-12", "2e-12"]
+    assert number(-0.0) == "0" and number(0.12345) == "0.1235"
+
+
 class SpyDisplay:
     """Records what is shown, as a frontend would hold it: one output per display id."""
 
@@ -279,6 +334,28 @@ def test_the_live_figure_is_redrawn_within_its_budget_and_its_age_limit():
     assert figure_wait(0.001, 512) == 0.5
 
 
+def test_the_figure_keeps_up_with_the_table_at_the_final_pictures_size():
+    """Every redraw draws the table and the figure from the same points, the next one as far
+    off as the figure's cost allows; the live image is shown at the picture's own size."""
+    spy = SpyDisplay()
+    live = LiveView(2, plot=True, smoothing=1.0, display=spy)
+    now = [10.0]
+    live.throttle = Throttle(interval=0.5, clock=lambda: now[0])
+    history = []
+    for step, point in enumerate(_points(steps=40)):
+        history.append(point)
+        now[0] += 0.05
+        if live.update(history, ["running", "running"]):
+            assert live.dashboard.drawn == live.agg.seen == len(history)
+            last = max(p["step"] for p in history)
+            assert f"<td>{last}</td>" in live.dashboard.table.value, step
+    assert live.redraws >= 2
+    assert 0.5 <= live.throttle.interval <= 2.0
+    layout = live.dashboard.image.layout
+    assert (layout.width, layout.max_width) == (f"{live.figure.width_px}px", "100%")
+    assert live.figure.width_px == 864
+
+
 def test_the_stop_button_says_what_a_graceful_stop_does():
     from nbdist.kernel.display import stop_button_html, stopping_html
 
@@ -286,4 +363,4 @@ def test_the_stop_button_says_what_a_graceful_stop_does():
     assert ">Stop after this step</button>" in button
     assert "'Stopping at the next step all ranks reach...'" in button  # on click
     assert ">Stop</button>" in stop_button_html("api/kernels/k/interrupt")
-    assert ">Stopping after step 7...</button>" in stopping_html(7)
+    assert ">Stopping after step 7...</button>" in stopping_html("step 7")

@@ -24,7 +24,8 @@ def test_one_rank_fails_peer_is_collateral():
     assert err.ranks == [1]
     assert (
         str(err)
-        == "rank 1 (host h) raised ValueError: boom\n  at cell line 3: raise ValueError('boom')"
+        == "rank 1 (host h) raised ValueError: boom\n"
+        "  at the cell, line 3: raise ValueError('boom')"
     )
     rendered = err._render_traceback_()
     assert rendered.count("--- remote traceback, rank 1 ---") == 1

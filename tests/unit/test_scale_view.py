@@ -249,7 +249,7 @@ def test_512_identical_failures_are_one_message_with_one_traceback():
     err = WorkerError([_failure(r, "bad batch") for r in range(512)])
     assert str(err) == (
         "512 ranks 0-511 (host n0, n1, n10, ... 64 hosts) raised ValueError: bad batch\n"
-        "  at cell line 3: raise ValueError(...)"
+        "  at the cell, line 3: raise ValueError(...)"
     )
     shown = err._render_traceback_()
     assert shown.count("--- remote traceback, 512 ranks 0-511 ---") == 1 and len(shown) == 8
@@ -262,11 +262,11 @@ def test_512_different_failures_show_three_and_count_the_rest():
     lines = str(err).splitlines()
     assert lines == [
         "rank 0 (host n0) raised ValueError: bad value 0",
-        "  at cell line 3: raise ValueError(...)",
+        "  at the cell, line 3: raise ValueError(...)",
         "rank 1 (host n0) raised ValueError: bad value 1",
-        "  at cell line 3: raise ValueError(...)",
+        "  at the cell, line 3: raise ValueError(...)",
         "rank 2 (host n0) raised ValueError: bad value 2",
-        "  at cell line 3: raise ValueError(...)",
+        "  at the cell, line 3: raise ValueError(...)",
         "... and 509 more different failures on 509 ranks 3-511 (ValueError ×508, KeyError ×1); "
         "each is in the error's .failures (sys.last_value.failures after the cell)",
     ]
