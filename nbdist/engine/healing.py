@@ -15,7 +15,7 @@ variables. The notebook (``nbdist.kernel.healing``) runs these on the engines:
 3. every other rank (the new engine, and the other survivors, which may be a step apart after
    a collective that completed on some ranks only) :func:`restore` s it: the cells' imports
    first, then the rest, its functions bound to the session namespace there (see
-   :func:`_pickler_class`), its tensors on that engine's own device;
+   :func:`nbdist.engine.carry.pickler_class`), its tensors on that engine's own device;
 4. the next cell's group is new; before the cell runs, every rank wraps the same models in DDP
    again where they were (:func:`rewrap`), whose constructor broadcasts rank 0's parameters and
    buffers.
@@ -39,14 +39,12 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.engine.namespace import CONTEXT_NAMES, is_user_name, session_namespace
+from nbdist.engine import carry, places
+from nbdist.engine.namespace import session_namespace
 from nbdist.engine.state import engine_state
 from nbdist.protocol import ddp_type
 
 SLOT = "healing"
-# How deep leave_group looks for DDP models inside the user's own objects (a pasted
-# ``Trainer`` holds one as ``self.model``): names, then attributes and items of those.
-DDP_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -60,185 +58,8 @@ class Snapshot:
     samplers: list[str] = field(default_factory=list)  # where its DistributedSamplers are
 
 
-def carried(namespace: dict[str, Any]) -> dict[str, Any]:
-    """What a healing carries of ``namespace``: every name the cells made, their imported
-    modules included (a module goes by name, and is imported again where it arrives)."""
-    return {name: value for name, value in namespace.items() if is_user_name(name)}
-
-
-# -- pickling a session ------------------------------------------------------------------------
-def _in_session() -> dict[str, Any]:
-    return session_namespace()
-
-
-class _SessionGlobals:
-    """Stands for "the session namespace of the engine that loads this" in a pickle."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_in_session, ())
-
-
-def _context_value(name: str) -> Any:
-    """Where a snapshot held one of nbdist's context names (``log``, ``strategy``), the loading
-    engine's own (the next cell sets it anew)."""
-    return session_namespace().get(name)
-
-
-def _pickler_class() -> type:
-    """cloudpickle's pickler, with two things of a session's told apart.
-
-    cloudpickle sends a function defined in a cell by value, with a globals dict of its own
-    holding the values it refers to: where it arrives it would go on seeing those objects
-    after the next cell rebinds a name (after a healing, every DDP model is wrapped anew, and
-    a restored ``train()`` would have trained the unwrapped module: no gradient averaging).
-    Here a function whose globals are the session namespace gets the namespace of the engine
-    that loads it instead (cloudpickle's own reduction, with its globals argument replaced).
-    And nbdist's context objects that a function refers to (``log``, a strategy) are not sent:
-    the loading engine's stand in.
-    """
-    import cloudpickle
-    from cloudpickle.cloudpickle import _make_function
-
-    class SessionPickler(cloudpickle.Pickler):
-        def __init__(self, file: Any, protocol: int | None = None, **kwargs: Any) -> None:
-            super().__init__(file, protocol=protocol, **kwargs)
-            namespace = session_namespace()
-            self._session = namespace
-            self._context = {
-                id(value): name
-                for name, value in namespace.items()
-                if name in CONTEXT_NAMES and not isinstance(value, (types.ModuleType, int, str))
-            }
-
-        def reducer_override(self, obj: Any) -> Any:
-            name = self._context.get(id(obj))
-            if name is not None:
-                return (_context_value, (name,))
-            reduced = super().reducer_override(obj)
-            if (
-                isinstance(obj, types.FunctionType)
-                and obj.__globals__ is self._session
-                and isinstance(reduced, tuple)
-                and reduced[0] is _make_function
-            ):
-                code, _, name, defaults, closure = reduced[1]
-                args = (code, _SessionGlobals(), name, defaults, closure)
-                reduced = (reduced[0], args, *reduced[2:])
-            return reduced
-
-    return SessionPickler
-
-
-def _pickle_module() -> types.ModuleType:
-    """``torch.save``'s ``pickle_module`` for a session (:func:`_pickler_class`)."""
-    module = types.ModuleType("nbdist_session_pickle")
-    module.Pickler = _pickler_class()  # type: ignore[attr-defined]
-    return module
-
-
-def dumps(value: Any) -> bytes:
-    """``value`` pickled as a session's (:func:`_pickler_class`)."""
-    buffer = io.BytesIO()
-    _pickler_class()(buffer).dump(value)
-    return buffer.getvalue()
-
-
-def loading() -> Any:
-    """Around loading a session's pickle: cloudpickle sets ``__builtins__`` in the globals of
-    each function it rebuilds (here the session namespace): put back the namespace's own."""
-    import contextlib
-
-    namespace = session_namespace()
-    had = namespace.get("__builtins__", _NONE)
-
-    @contextlib.contextmanager
-    def loading() -> Any:
-        try:
-            yield
-        finally:
-            if had is _NONE:
-                namespace.pop("__builtins__", None)
-            else:
-                namespace["__builtins__"] = had
-
-    return loading()
-
-
-_NONE = object()
-
-
-# -- DDP models, wherever the session keeps them -----------------------------------------------
-Location = tuple[str, tuple[tuple[str, Any], ...]]  # a name, then ("attr", a) / ("item", key)
-
-
-def _label(location: Location) -> str:
-    name, steps = location
-    return name + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps)
-
-
-def _locations(namespace: dict[str, Any], kind: type) -> dict[str, list[Location]]:
-    """Where the session holds objects of ``kind`` (DDP models, distributed samplers): its
-    names, the attributes and items of the user's own objects (a class defined in a cell, a
-    dict, a list), and a data loader's sampler, ``DDP_DEPTH`` deep. One entry per object (a
-    model may be both ``model`` and ``trainer.model``), by the first of its labels in sorted
-    order, which every rank finds alike whatever order its namespace is in."""
-    found: dict[int, list[Location]] = {}
-    seen: set[int] = set()
-    loader = getattr(sys.modules.get("torch.utils.data"), "DataLoader", None)
-
-    def walk(value: Any, location: Location, depth: int) -> None:
-        if isinstance(value, kind):
-            found.setdefault(id(value), []).append(location)
-            return
-        if depth >= DDP_DEPTH or id(value) in seen:
-            return
-        seen.add(id(value))
-        name, steps = location
-        if isinstance(value, dict):
-            items = [(("item", k), v) for k, v in value.items() if isinstance(k, (str, int))]
-        elif isinstance(value, list):
-            items = [(("item", i), v) for i, v in enumerate(value)]
-        elif type(value).__module__ == "__main__" and isinstance(
-            getattr(value, "__dict__", None), dict
-        ):  # an object of a class the cells defined (not a library's: its insides are its own)
-            items = [(("attr", k), v) for k, v in vars(value).items()]
-        elif isinstance(loader, type) and isinstance(value, loader):
-            items = [(("attr", "sampler"), value.sampler)]
-        else:
-            return
-        for step, item in items:
-            walk(item, (name, (*steps, step)), depth + 1)
-
-    for name, value in namespace.items():
-        if is_user_name(name) and not isinstance(value, (type, types.ModuleType)):
-            walk(value, (name, ()), 0)
-    groups = [sorted(places, key=_label) for places in found.values()]
-    return {_label(places[0]): places for places in sorted(groups, key=lambda p: _label(p[0]))}
-
-
-def _get(namespace: dict[str, Any], location: Location) -> Any:
-    name, steps = location
-    value = namespace[name]
-    for kind, key in steps:
-        value = getattr(value, key) if kind == "attr" else value[key]
-    return value
-
-
-def _set(namespace: dict[str, Any], location: Location, value: Any) -> None:
-    name, steps = location
-    if not steps:
-        namespace[name] = value
-        return
-    owner = _get(namespace, (name, steps[:-1]))
-    kind, key = steps[-1]
-    if kind == "attr":
-        setattr(owner, key, value)
-    else:
-        owner[key] = value
-
-
 # -- the steps of a healing --------------------------------------------------------------------
-Wrapped = dict[str, tuple[list[Location], dict[str, Any]]]  # label: where, DDP's arguments
+Wrapped = dict[str, tuple[list[places.Location], dict[str, Any]]]  # label: where, DDP's arguments
 
 
 def leave_group(framework: str) -> Wrapped:
@@ -259,11 +80,11 @@ def leave_group(framework: str) -> Wrapped:
     ddp = ddp_type() if framework == "torch" else None
     with sigint_ignored():  # as drop_session: a half-left group would hang the next one
         if ddp is not None:
-            for label, places in _locations(namespace, ddp).items():
-                model = _get(namespace, places[0])
-                wrapped[label] = (places, _ddp_arguments(model))
-                for place in places:
-                    _set(namespace, place, model.module)
+            for label, where in places.locations(namespace, ddp).items():
+                model = places.get(namespace, where[0])
+                wrapped[label] = (where, _ddp_arguments(model))
+                for place in where:
+                    places.put(namespace, place, model.module)
             model = None
         gc.collect()  # the DDP objects (and their reducers) held the group
         if framework == "tf":
@@ -282,7 +103,7 @@ def _keep_keras_models(namespace: dict[str, Any]) -> None:
     if keras is None:
         return
     models = {
-        name: saved_keras(value) for name, value in carried(namespace).items()
+        name: saved_keras(value) for name, value in carry.carried(namespace).items()
         if isinstance(value, keras.Model)
     }  # fmt: skip
     if models:
@@ -312,18 +133,18 @@ def pending(framework: str = "torch") -> tuple[dict[str, str], list[str]]:
     if framework == "tf":
         locations = {name: (name, ()) for name in slot.get("keras", {})}
     else:
-        locations = {label: places[0] for label, (places, _) in slot.get("rewrap", {}).items()}
+        locations = {label: where[0] for label, (where, _) in slot.get("rewrap", {}).items()}
     digests = {}
     for label, location in locations.items():
         try:
-            digests[label] = digest(_get(namespace, location))
+            digests[label] = digest(places.get(namespace, location))
         except Exception:  # noqa: BLE001 - gone since, or not a model any more: not compared
             continue
     optim = sys.modules.get("torch.optim")
     kind = getattr(optim, "Optimizer", None)
     optimizers = sorted(
         name
-        for name, value in carried(namespace).items()
+        for name, value in carry.carried(namespace).items()
         if isinstance(kind, type) and isinstance(value, kind)
     )
     return digests, optimizers
@@ -336,7 +157,7 @@ def sharded() -> list[str]:
     if tensor is None:
         return []
     out = []
-    for name, value in carried(session_namespace()).items():
+    for name, value in carry.carried(session_namespace()).items():
         if isinstance(value, tensor):
             out.append(name)
             continue
@@ -364,15 +185,15 @@ def snapshot() -> Snapshot:
     iterator) is named with why."""
     import torch
 
-    values = carried(session_namespace())
+    values = carry.carried(session_namespace())
     unsent: dict[str, str] = {}
-    module = _pickle_module()
+    module = carry.pickle_module()
     buffer = io.BytesIO()
     try:  # one pass when everything can go (the usual case: a model twice is its size twice)
         torch.save(values, buffer, pickle_module=module)
     except Exception:  # noqa: BLE001 - then find what cannot go, and send the rest
         for name, value in values.items():
-            e = _session_pickling_error(value)
+            e = carry.pickling_error(value)
             if e is not None:
                 unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
         values = {n: v for n, v in values.items() if n not in unsent}
@@ -380,7 +201,7 @@ def snapshot() -> Snapshot:
         torch.save(values, buffer, pickle_module=module)
     modules = sorted(n for n, v in values.items() if isinstance(v, types.ModuleType))
     sent = sorted(n for n in values if n not in modules)
-    samplers = list(_locations(values, _sampler_type() or _Never))
+    samplers = list(places.locations(values, _sampler_type() or _Never))
     return Snapshot(buffer.getvalue(), sent, modules, unsent, samplers)
 
 
@@ -404,8 +225,8 @@ def _own_samplers(namespace: dict[str, Any]) -> None:
     if sampler is None or not dist.is_initialized():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    for places in _locations(namespace, sampler).values():
-        s = _get(namespace, places[0])
+    for where in places.locations(namespace, sampler).values():
+        s = places.get(namespace, where[0])
         if (s.rank, s.num_replicas) != (rank, world):
             epoch = s.epoch
             # Its own constructor: the shard's size follows from the group's.
@@ -414,14 +235,6 @@ def _own_samplers(namespace: dict[str, Any]) -> None:
                 drop_last=s.drop_last,
             )  # fmt: skip
             s.epoch = epoch
-
-
-def _session_pickling_error(value: Any) -> Exception | None:
-    try:
-        dumps(value)
-    except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
-        return e
-    return None
 
 
 def restore(
@@ -442,7 +255,7 @@ def restore(
         # The survivor's tensors were on its own GPU: here, on this engine's.
         return storage.cuda(index) if index is not None and where.startswith("cuda") else storage
 
-    with loading():
+    with carry.loading():
         values = torch.load(io.BytesIO(snap.data), map_location=location, weights_only=False)
     namespace = session_namespace()
     namespace.update(values)
@@ -473,7 +286,7 @@ def keras_snapshot() -> Snapshot:
     plain: dict[str, bytes] = {}
     unsent: dict[str, str] = {}
     modules: list[str] = []
-    for name, value in carried(session_namespace()).items():
+    for name, value in carry.carried(session_namespace()).items():
         module = type(value).__module__.split(".")[0]
         if isinstance(value, keras.Model):
             models[name] = saved_keras(value)
@@ -481,7 +294,7 @@ def keras_snapshot() -> Snapshot:
             unsent[name] = f"{type(value).__name__}: TensorFlow object of the old strategy"
         else:
             try:
-                plain[name] = dumps(value)
+                plain[name] = carry.dumps(value)
             except Exception as e:  # noqa: BLE001 - why it cannot go is the answer
                 unsent[name] = f"{type(value).__name__}: {type(e).__name__}"
                 continue
@@ -500,7 +313,7 @@ def keep_for_strategy(snap: Snapshot, imports: tuple[str, ...] = ()) -> list[str
     _import_all(imports)
     models, plain = pickle.loads(snap.data)  # noqa: S301 - from this session's own engine
     namespace = session_namespace()
-    with loading():
+    with carry.loading():
         namespace.update({name: pickle.loads(value) for name, value in plain.items()})  # noqa: S301
     engine_state().slot(SLOT)["keras"] = models
     return sorted(models)
@@ -527,9 +340,9 @@ def rewrap(
 
     done = []
     for label in sorted(wrapped):
-        places, kwargs = wrapped[label]
+        where, kwargs = wrapped[label]
         try:
-            module = _get(namespace, places[0])
+            module = places.get(namespace, where[0])
         except (KeyError, AttributeError, IndexError, TypeError):  # dropped since
             continue
         if isinstance(module, DistributedDataParallel):  # wrapped again by the user
@@ -537,9 +350,9 @@ def rewrap(
         if "device_ids" in kwargs and state.cuda_index is not None:
             kwargs = {**kwargs, "device_ids": [state.cuda_index], "output_device": state.cuda_index}
         model = DistributedDataParallel(module, **kwargs)
-        for place in places:  # one wrapper wherever the one model was
-            if _get(namespace, place) is module:
-                _set(namespace, place, model)
+        for place in where:  # one wrapper wherever the one model was
+            if places.get(namespace, place) is module:
+                places.put(namespace, place, model)
         done.append(label)
     return done
 

@@ -57,7 +57,7 @@ def push(values: Packed) -> list[str]:
 def states(names: list[str]) -> bytes:
     """``%distrain sync``'s source: each of ``names`` as the other ranks take it (see
     :func:`take`), pickled as a healing pickles a session (functions and classes by value)."""
-    from nbdist.engine.healing import dumps
+    from nbdist.engine.carry import dumps
 
     namespace = session_namespace()
     out = {}
@@ -80,7 +80,7 @@ def take(data: bytes) -> list[str]:
     import pickle
 
     from nbdist.engine import healing
-    from nbdist.engine.healing import loading
+    from nbdist.engine.carry import loading
 
     namespace = session_namespace()
     with loading():

@@ -11,19 +11,25 @@
    see :mod:`nbdist.kernel.job`). Engines that died or had to be killed are given up here, in
    one place (``cluster.lose``): a local cluster replaces them all, a connected one goes on
    with the engines that answer.
-3. **settle** — what the cell leaves of the session (:class:`~nbdist.protocol.SessionState`):
+3. **settle** — what the cell leaves of the session (:class:`~nbdist.protocol.SessionState`;
+   the steps are :mod:`nbdist.kernel.regroup`'s):
 
    * **kept** — the ranks that failed raised on their own (a typo, a shape error), the others
-     finished, no rank had to be freed or stopped, and a check that cannot hang
-     (:func:`nbdist.engine.worker.check_group`: a barrier with a ``HEALTH_TIMEOUT_S``
-     timeout) passes on every rank. As in a Python REPL, the variables stay.
-   * **dropped** — anything that may have broken the group: one rank raised while others
-     waited in a collective, an interrupt, ``--timeout``, a stall, a failed check. Every rank
-     drops its variables and its part of the group (the variables first: destroying a gloo
-     group under a live DDP model can deadlock); the next cell makes a new rendezvous.
-   * **replaced** — a rank was killed or died, or SIGINT interrupted a framework that cannot
-     go on after it (TensorFlow: ``SURVIVES_INTERRUPT``): the engines were replaced, and their
-     variables went with them.
+     finished, no rank had to be freed or stopped, and a check that cannot hang (a barrier
+     with a timeout) passes on every rank. As in a Python REPL, the variables stay.
+   * **rebuilt** — anything that may have broken the group: one rank raised while others
+     waited in a collective, an interrupt that found no step boundary, ``--timeout``, a
+     stall, a failed check. Every rank leaves the group with its variables kept (DDP models
+     unwrapped first: destroying a gloo group under a live DDP model can deadlock); the next
+     cell makes a new rendezvous and wraps them again. Whether the replicas still agree is
+     said.
+   * **healed** — a rank died or had to be killed: a new engine took it, and got a
+     survivor's variables (:mod:`nbdist.kernel.healing`).
+   * **dropped** — what cannot be rebuilt: sharded state (FSDP2), or the survivors of a
+     connected cluster that lost engines with healing off. Every rank drops its variables.
+   * **replaced** — a rank was lost and not healed, or SIGINT interrupted a framework that
+     cannot go on after it (TensorFlow: ``SURVIVES_INTERRUPT``): the engines were replaced,
+     and their variables went with them.
 4. **result** — the :class:`CellOutcome`: the state, the names lost, and the result to show
    or the one error to raise (:mod:`nbdist.kernel.failures` words it). The session applies it.
 """
@@ -31,18 +37,17 @@
 from __future__ import annotations
 
 import ast
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from nbdist.engine import backends, healing, worker
+from nbdist.engine import backends
 from nbdist.engine.hardware import visible_gpus
 from nbdist.engine.profiling import SKIP_STEPS
-from nbdist.errors import ClusterError, DistrainError, JobInterrupted, WorkerError
-from nbdist.kernel import breakdown, failures, prepare
+from nbdist.errors import DistrainError, JobInterrupted, WorkerError
+from nbdist.kernel import breakdown, failures, prepare, regroup
 from nbdist.kernel.checks import calls
 from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
@@ -60,11 +65,6 @@ from nbdist.protocol import CellName, RankSpec, Reason, SessionState, UnpackErro
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
     from nbdist.kernel.session import Session
-
-HEALTH_TIMEOUT_S = 2.0
-HEALTH_WAIT_S = HEALTH_TIMEOUT_S + 3.0  # the check itself, plus the round trip
-DROP_WAIT_S = 15.0
-
 
 @dataclass
 class Plan:
@@ -112,7 +112,7 @@ class Cell:
         self.user_ns = user_ns
         self.name = name or CellName()
         self.job: Job | None = None
-        self.replicas: Replicas | None = None  # after a rebuilt group: do the replicas agree
+        self.replicas: regroup.Replicas | None = None  # after a rebuilt group: do they agree
         self.sharded: list[str] = []  # the variables a rebuild had to drop with the group
 
     @property
@@ -281,7 +281,7 @@ class Cell:
             and not outcome.left
             and not any(failures.lost_peer(f) or f.interrupted for f in outcome.failures)
         )
-        if own_errors and self._group_works(framework, list(range(outcome.world))):
+        if own_errors and regroup.group_works(cluster, framework, list(range(outcome.world))):
             return SessionState.KEPT, []
         still = {outcome.ranks[p] for p in watch.abandoned}
         if outcome.released:  # sharded state, dropped with the group where a rank was freed
@@ -294,25 +294,11 @@ class Cell:
         # collective, an interrupt, --timeout, a stall): it is rebuilt around the variables,
         # as a healing does, and every rank keeps its own.
         leaving = [r for r in range(cluster.size) if r not in outcome.left]
-        state, dropped = self.rebuild(framework, leaving, queued=still)
-        return state, dropped
-
-    def _group_works(self, framework: str, ranks: list[int]) -> bool:
-        try:
-            ars = [
-                self.cluster.apply_async(r, worker.check_group, framework, timeout=HEALTH_TIMEOUT_S)
-                for r in ranks
-            ]
-        except ClusterError:  # an engine the controller no longer has: no group to keep
-            return False
-        deadline = time.monotonic() + HEALTH_WAIT_S
-        verdicts = []
-        for ar in ars:
-            try:
-                verdicts.append(ar.get(max(0.0, deadline - time.monotonic())))
-            except Exception as e:  # timed out or failed: the group cannot be trusted
-                verdicts.append(f"{type(e).__name__}: {e}")
-        return all(v is None for v in verdicts)
+        rebuilt = regroup.rebuild(
+            cluster, self.session.rendezvous, framework, leaving, queued=still
+        )
+        self.replicas, self.sharded = rebuilt.replicas, rebuilt.sharded
+        return rebuilt.state, rebuilt.dropped
 
     def drop(
         self,
@@ -322,38 +308,10 @@ class Cell:
         already: set[str] | None = None,
         queued: set[int] = frozenset(),
     ) -> list[str]:
-        return drop(
+        return regroup.drop(
             self.cluster, self.session.rendezvous, framework, ranks, already=already,
             queued=queued,
         )  # fmt: skip
-
-    def rebuild(
-        self, framework: str, ranks: list[int], *, queued: set[int] = frozenset()
-    ) -> tuple[SessionState, list[str]]:
-        """Every rank in ``ranks`` leaves the group with its variables kept (DDP models
-        unwrapped, wrapped again by the next cell on a new group: ``worker.release``); the
-        state, and the names dropped. Sharded state (FSDP2) cannot be kept: a rank that holds
-        some drops its variables, and then every rank does. A rank that does not confirm in
-        time gets the engines replaced."""
-        cluster = self.cluster
-        if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
-            self.session.rendezvous.pop(framework, None)
-        answers, stuck = ask(cluster, ranks, worker.release, framework, queued=queued)
-        if stuck:
-            why = f"rank {stuck[0]} could not leave its process group cleanly"
-            cluster.replace_engines(why=why)
-            return SessionState.REPLACED, []
-        if any(not kept for kept, _, _ in answers.values()):
-            dropped = {n for kept, names, _ in answers.values() if not kept for n in names}
-            self.sharded = sorted({n for _, _, split in answers.values() for n in split})
-            kept_ranks = [r for r, (kept, _, _) in answers.items() if kept]
-            return SessionState.DROPPED, self.drop(
-                framework, kept_ranks, already=dropped, queued=queued
-            )
-        self.replicas = replicas(
-            cluster, [r for r in range(cluster.size) if r not in queued], framework
-        )
-        return SessionState.REBUILT, []
 
     # -- 4. result -------------------------------------------------------------------------------
     def result(
@@ -495,78 +453,6 @@ class Cell:
         state = SessionState.DROPPED if cluster.running else SessionState.STOPPED
         error.state = failures.state_line(state, lost, connected_stale=cluster.stale)
         return CellOutcome(state=state, lost=lost, error=error)
-
-
-def drop(
-    cluster: Cluster,
-    rendezvous: dict[str, Any],
-    framework: str,
-    ranks: list[int],
-    *,
-    already: set[str] | None = None,
-    queued: set[int] = frozenset(),
-) -> list[str]:
-    """Every rank in ``ranks`` drops its variables and its part of the group; returns the
-    names dropped (with ``already``, those dropped earlier in the same job). A rank that does
-    not confirm in time gets the engines replaced: the next cell must start clean. Ranks in
-    ``queued`` still run the cell (a connected engine nbdist may not kill): their drop waits
-    behind it, and the next cell behind that."""
-    # First, so that an interrupt during the waits below cannot leave the next cell on this
-    # rendezvous: some ranks may have destroyed their part of it already.
-    if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
-        rendezvous.pop(framework, None)
-    answers, stuck = ask(cluster, ranks, worker.drop_session, framework, queued=queued)
-    names = set(already or ()).union(*answers.values())
-    if stuck:
-        why = f"rank {stuck[0]} could not leave its process group cleanly"
-        cluster.replace_engines(why=why)
-    return sorted(names)
-
-
-def ask(
-    cluster: Cluster, ranks: list[int], fn: Any, *args: Any, queued: set[int] = frozenset()
-) -> tuple[dict[int, Any], list[int]]:
-    """``fn(*args)`` on every rank in ``ranks``, each answer awaited up to ``DROP_WAIT_S`` in
-    all: the answers by rank, and the ranks that gave none (in ``queued``: not awaited)."""
-    ars = {r: cluster.apply_async(r, fn, *args) for r in ranks}
-    deadline = time.monotonic() + DROP_WAIT_S
-    answers, stuck = {}, []
-    for r, ar in ars.items():
-        if r in queued:
-            continue
-        try:
-            answers[r] = ar.get(max(0.0, deadline - time.monotonic()))
-        except Exception:
-            stuck.append(r)
-    return answers, stuck
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """After a rebuilt group: the models the next cell wraps in DDP again, which of them differ
-    between ranks (label -> the ranks whose copy is not rank 0's), and the optimizers."""
-
-    models: tuple[str, ...] = ()
-    differ: dict[str, list[int]] = field(default_factory=dict)
-    optimizers: tuple[str, ...] = ()
-
-
-def replicas(cluster: Cluster, ranks: list[int], framework: str) -> Replicas | None:
-    """What each rank holds after a rebuilt group (``healing.pending``), compared; None when a
-    rank does not say."""
-    answers, stuck = ask(cluster, ranks, healing.pending, framework)
-    if stuck or 0 not in answers:
-        return None
-    digests, optimizers = answers[0]
-    differ = {
-        label: [r for r in sorted(answers) if answers[r][0].get(label) != digest]
-        for label, digest in digests.items()
-    }
-    return Replicas(
-        models=tuple(sorted(digests)),
-        differ={label: ranks for label, ranks in differ.items() if ranks},
-        optimizers=tuple(optimizers),
-    )
 
 
 def _result(

@@ -331,8 +331,8 @@ def losses_text(values: Sequence[float | None]) -> list[str]:
     if not finite:
         return ["" if v is None else number(v) for v in values]
     decimals = max(0, 3 - math.floor(math.log10(max(finite))))
-    if decimals > 8:  # too small for a fixed column: significant digits say it better
-        return ["" if v is None else number(v) for v in values]
+    if decimals > 6:  # too small for a fixed column: four significant digits each, alike
+        return ["" if v is None else f"{v + 0.0:.3e}" for v in values]
     return ["" if v is None else f"{v + 0.0:.{decimals}f}" for v in values]
 
 

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from IPython.core.error import UsageError
 
 from nbdist.engine.hardware import visible_gpus
-from nbdist.kernel import cell, healing
+from nbdist.kernel import healing, regroup
 from nbdist.kernel.cell import Cell
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import Cluster
@@ -164,12 +164,16 @@ class Session:
         if self.prestart is not None:
             self.prestart.cancel()
         was = cluster.running
-        cluster.stop()
+        connected = isinstance(cluster, ConnectedCluster)
+        # A connected cluster's engines are not stopped: one sentence says so, and what they
+        # hold (nothing "stopped", nothing "gone", as a second notice said).
+        cluster.stop(note=None if connected else "the workers were stopped")
         self.apply_changes()
-        if isinstance(cluster, ConnectedCluster):
+        if connected:
             self.cluster = self._local()
             return (
-                "nbdist: disconnected; the connected cluster's engines keep running"
+                "nbdist: disconnected; the connected cluster's engines keep running, with what "
+                "the cells left on them (this notebook no longer uses them)"
                 if was
                 else "nbdist: no cluster was running"
             )
@@ -300,7 +304,9 @@ class Session:
 
     def drop(self, framework: str, why: str) -> None:
         """Every worker drops its variables and its part of the group, with a notice."""
-        names = cell.drop(self.cluster, self.rendezvous, framework, list(range(self.cluster.size)))
+        names = regroup.drop(
+            self.cluster, self.rendezvous, framework, list(range(self.cluster.size))
+        )
         if names:
             self.notify(f"nbdist: {why}; the workers' variables ({', '.join(names)}) were dropped")
         self.forget()

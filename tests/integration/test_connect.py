@@ -223,8 +223,14 @@ def test_connected_cluster_is_not_resized_or_restarted(connected):
 def test_stop_disconnects_and_leaves_the_engines_running(shell, elsewhere, capsys):
     profile, procs = elsewhere
     shell.run_line_magic("distrain", f"connect --profile-dir {profile} --cluster-id {CLUSTER_ID}")
+    shell.run_cell_magic("distrain", "--framework torch", "kept = rank\n")
+    capsys.readouterr()
     shell.run_line_magic("distrain", "stop")
-    assert "disconnected; the connected cluster's engines keep running" in capsys.readouterr().out
+    # One true sentence: nothing was stopped, nothing is gone.
+    assert capsys.readouterr().out == (
+        "nbdist: disconnected; the connected cluster's engines keep running, with what the cells "
+        "left on them (this notebook no longer uses them)\n"
+    )
     assert all(p.poll() is None for p in procs)
 
 

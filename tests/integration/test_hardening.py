@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 
 from nbdist import ClusterError, JobInterrupted
 from nbdist.engine import worker
-from nbdist.kernel import cell, commands
+from nbdist.kernel import commands, regroup
 from nbdist.kernel import engines as engines_module
 from nbdist.kernel import local as cluster_module
 from nbdist.kernel.local import LocalCluster, engine_nannies
@@ -225,7 +225,7 @@ def test_clean_up_that_cannot_finish_replaces_the_engines(
     """A rank that cannot leave its group in time after an interrupt (a DDP model whose
     ``__del__`` blocks, which runs when the model is unwrapped for the new group) gets the
     engines replaced; the next cell runs on the new ones."""
-    monkeypatch.setattr(cell, "DROP_WAIT_S", 3.0)
+    monkeypatch.setattr(regroup, "DROP_WAIT_S", 3.0)
     fresh_session.run_cell_magic(
         "distrain",
         "",

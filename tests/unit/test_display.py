@@ -117,7 +117,7 @@ def test_losses_read_alike_in_a_column_and_never_as_minus_zero():
 
     assert losses_text([0.008133, 0.01014]) == ["0.00813", "0.01014"]
     assert losses_text([2.5, None, 12.25]) == ["2.50", "", "12.25"]
-    assert losses_text([1e-12, 2e-12]) == ["1e-12", "2e-12"]
+    assert losses_text([4.29e-06, 4.866e-06]) == ["4.290e-06", "4.866e-06"]
     assert number(-0.0) == "0" and number(0.12345) == "0.1235"
 
 

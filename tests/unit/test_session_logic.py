@@ -9,10 +9,10 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist.engine.namespace import clear, user_variables
-from nbdist.kernel.cell import Replicas
 from nbdist.kernel.failures import stall_message, state_line
 from nbdist.kernel.options import RunOptions, parse_run_options
 from nbdist.kernel.prepare import choose_framework
+from nbdist.kernel.regroup import Replicas
 from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, PerRank, RankResult
 from nbdist.kernel.session import shown_value
