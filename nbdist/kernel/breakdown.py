@@ -314,11 +314,17 @@ def _offsets(lanes: list[dict[str, Any]]) -> list[float]:
     return offsets
 
 
+def trace_name(cell: str, rank: int) -> str:
+    """A rank's trace file, named after the cell too (``In12-rank0.pt.trace.json.gz``): a
+    trace copied elsewhere still says which cell it is of."""
+    return f"{cell}-rank{rank}.pt.trace.json.gz"
+
+
 def write_traces(traces: dict[int, bytes], cell: str, base: str | None = None) -> str:
-    """Each rank's Chrome trace as ``rank<R>.pt.trace.json.gz`` in a new folder of this user's
-    under ``base/nbdist-profile`` (the notebook's folder), named after the cell (``cell``:
-    ``In12`` for ``In [12]``) and the time; returns the folder. The folders are this user's
-    alone (0700, never a link, another user's, or one others can read or write), like nbdist's
+    """Each rank's Chrome trace (:func:`trace_name`) in a new folder of this user's under
+    ``base/nbdist-profile`` (the notebook's folder), named after the cell (``cell``: ``In12``
+    for ``In [12]``) and the time; returns the folder. The folders are this user's alone
+    (0700, never a link, another user's, or one others can read or write), like nbdist's
     other files."""
     root = os.path.join(base or os.getcwd(), FOLDER)
     try:
@@ -346,7 +352,7 @@ def write_traces(traces: dict[int, bytes], cell: str, base: str | None = None) -
         except FileExistsError:
             suffix += 1
     for rank, data in sorted(traces.items()):
-        path = os.path.join(folder, f"rank{rank}.pt.trace.json.gz")
+        path = os.path.join(folder, trace_name(cell, rank))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -386,7 +392,7 @@ def from_reports(
     except OSError as e:
         notes.append(f"traces not written: {e}")
     ranks = tuple(
-        replace(r, trace=os.path.join(folder, f"rank{r.rank}.pt.trace.json.gz") if folder else None)
+        replace(r, trace=os.path.join(folder, trace_name(cell, r.rank)) if folder else None)
         for r in report.ranks
     )
     report = replace(report, ranks=ranks, folder=folder, notes=tuple(notes))

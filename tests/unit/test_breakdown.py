@@ -114,7 +114,7 @@ def test_traces_go_to_a_folder_of_this_users(tmp_path, monkeypatch):
     assert os.path.basename(folder).startswith("In7-")  # the cell as IPython names it
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     for r in (0, 1):
-        path = os.path.join(folder, f"rank{r}.pt.trace.json.gz")
+        path = os.path.join(folder, f"In7-rank{r}.pt.trace.json.gz")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert trace_events(path) == [{"name": "aten::mm", "ph": "X"}]
     # A second cell in the same second gets a folder of its own.
