@@ -60,7 +60,7 @@ from nbdist.kernel.options import RunOptions
 from nbdist.kernel.relay import show_displays
 from nbdist.kernel.result import DistrainResult, RankResult
 from nbdist.kernel.source import imported_modules, loop_steps
-from nbdist.protocol import CellName, RankSpec, Reason, SessionState, UnpackError, pack
+from nbdist.protocol import CellName, RankSpec, Reason, SessionState, UnpackError
 
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
@@ -142,8 +142,7 @@ class Cell:
         session.still_running = {}  # a cell given up on is done by the time another runs
         framework = prepare.choose_framework(self.tree, opts, session.framework)
         prepare.check_flags(opts, framework)
-        push = prepare.check_push(opts.push, self.user_ns)
-        packed = pack(push, tuple(push)) if push else None  # once, not once per rank
+        push, packed = prepare.check_push(opts.push, self.user_ns)
         if opts.check:
             session.report_findings(
                 source, opts.workers or self.cluster.size or None, cell=self.name

@@ -12,7 +12,7 @@ from nbdist.kernel.engines import gather
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
-from nbdist.protocol import UnpackError, pack
+from nbdist.protocol import UnpackError
 from nbdist.ranks import MANY_RANKS
 
 COMMAND_TIMEOUT_S = 60.0
@@ -107,9 +107,9 @@ def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str,
 
 
 def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> str:
-    values = check_push(names, user_ns, flag="%distrain push")
+    values, packed = check_push(names, user_ns, flag="%distrain push")
     _running(session, "push")
-    _on_all(session, "push", session_ops.push, pack(values, names))
+    _on_all(session, "push", session_ops.push, packed)
     session.variables = sorted({*session.variables, *names})
     session.cells.append(
         CellRecord(

@@ -17,7 +17,7 @@ from nbdist.errors import ClusterError
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.source import used_frameworks
-from nbdist.protocol import Prepared, pickling_error
+from nbdist.protocol import Packed, Prepared, pack, pickling_error
 
 
 def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
@@ -80,8 +80,9 @@ def check_gpus(opts: RunOptions, *, gpus: bool) -> None:
 
 def check_push(
     names: tuple[str, ...], user_ns: dict[str, Any], *, flag: str = "%%distrain: --push"
-) -> dict:
-    """The notebook variables to push, or a ``UsageError`` naming the one that can't go."""
+) -> tuple[dict[str, Any], Packed | None]:
+    """The notebook variables to push, and what goes to the workers (packed once, not once
+    per rank); or a ``UsageError`` naming the one that can't go."""
     values = {}
     for name in names:
         if name not in user_ns:
@@ -89,15 +90,21 @@ def check_push(
                 f"{flag} {name}: no variable {name!r} in the notebook; define it "
                 "in a cell above, or check the spelling."
             )
-        e = pickling_error(user_ns[name])
-        if e is not None:
-            raise UsageError(
-                f"{flag} {name}: a {type(user_ns[name]).__name__} cannot be sent to "
-                f"the workers ({type(e).__name__}: {e}). Push what it is made from, and make "
-                "it inside the cell."
-            ) from None
         values[name] = user_ns[name]
-    return values
+    if not values:
+        return values, None
+    try:
+        return values, pack(values, tuple(values))
+    except Exception:  # noqa: BLE001 - find which one, and say what to push instead
+        for name, value in values.items():
+            e = pickling_error(value)
+            if e is not None:
+                raise UsageError(
+                    f"{flag} {name}: a {type(value).__name__} cannot be sent to the workers "
+                    f"({type(e).__name__}: {e}). Push what it is made from, and make it "
+                    "inside the cell."
+                ) from None
+        raise
 
 
 def backend_options(opts: RunOptions) -> dict[str, Any]:
