@@ -450,7 +450,10 @@ class Cell:
             f"{', '.join(map(str, job.ranks))}."
         )
         state = SessionState.DROPPED if cluster.running else SessionState.STOPPED
-        error.state = failures.state_line(state, lost, connected_stale=cluster.stale)
+        error.state = failures.state_line(
+            state, lost, connected_stale=cluster.stale,
+            why=", since an interrupt cut the stopping of the ranks short",
+        )  # fmt: skip
         return CellOutcome(state=state, lost=lost, error=error)
 
 

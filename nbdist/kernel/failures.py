@@ -41,11 +41,13 @@ def state_line(
     sharded: Sequence[str] = (),
     framework: str | None = None,
     raised: Sequence[int] = (),
+    why: str = "",
 ) -> str:
     """The last line of a failed cell's error: what happened to the workers' variables
     (``names``: those kept for "kept" and "rebuilt", those lost otherwise). ``replicas``:
     after a rebuilt group, whether the models agree (``cell.Replicas``); ``sharded``: the
-    variables that made a rebuild drop them; ``raised``: the ranks whose own error it was."""
+    variables that made a rebuild drop them; ``raised``: the ranks whose own error it was;
+    ``why``: why variables were dropped where nothing else says (", since ...")."""
     if state == "kept":
         if not names:
             return "The workers hold no variables; fix the cell and run it again."
@@ -68,7 +70,7 @@ def state_line(
                 "build them (or save a checkpoint with torch.distributed.checkpoint to resume)."
             )
         return (
-            f"The process group was rebuilt and the workers' variables were dropped{what}: "
+            f"The process group was rebuilt and the workers' variables were dropped{what}{why}: "
             "re-run the cells that build them."
         )
     if state == "stopped":  # clean-up that had to replace the engines was interrupted

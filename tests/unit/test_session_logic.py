@@ -91,6 +91,11 @@ def test_state_lines_and_the_on_stall_message():
         "The process group was rebuilt and the workers' variables were dropped (model, opt): "
         "re-run the cells that build them."
     )
+    # Dropped where the clean-up was cut short: the line says why.
+    assert state_line("dropped", ["x"], why=", since an interrupt cut it short") == (
+        "The process group was rebuilt and the workers' variables were dropped (x), since an "
+        "interrupt cut it short: re-run the cells that build them."
+    )
     assert state_line("replaced", ["x"]) == (
         "The engines were replaced, and the workers' variables (x) went with them: re-run the "
         "cells that build them."
