@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import sys
 from collections import ChainMap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,6 +45,22 @@ def pickling_error(value: Any) -> Exception | None:
     except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
         return e
     return None
+
+
+def pack_values(
+    values: dict[str, Any], refuse: Callable[[str, Any, Exception], Exception]
+) -> Packed:
+    """``values`` (variables by name) packed (:func:`pack`); where that fails, raises
+    ``refuse(name, value, why)`` for the first that cannot cross (:func:`pickling_error`),
+    so the message names it and says what to send instead."""
+    try:
+        return pack(values, tuple(values))
+    except Exception:  # noqa: BLE001 - find which one, and say what to send instead
+        for name, value in values.items():
+            e = pickling_error(value)
+            if e is not None:
+                raise refuse(name, value, e) from None
+        raise
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from nbdist.engine.namespace import clear, free_memory, session_namespace, user_variables
 from nbdist.engine.state import engine_state
-from nbdist.protocol import MemoryReport, Packed, pack, pickling_error
+from nbdist.protocol import MemoryReport, Packed, pack_values
 
 
 def reset() -> MemoryReport:
@@ -33,18 +33,14 @@ def pull(names: list[str], namespace: dict[str, Any] | None = None) -> Packed:
         if name not in namespace:
             raise NameError(f"no variable {name!r} on this worker")
         out[name] = namespace[name]
-    try:
-        return pack(out, tuple(names))
-    except Exception:  # noqa: BLE001 - find which one, and say what to pull instead
-        for name, value in out.items():
-            e = pickling_error(value)
-            if e is not None:
-                raise TypeError(
-                    f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
-                    f"({type(e).__name__}); pull a plain value instead, e.g. "
-                    f"{name}.state_dict(), {name}.tolist() or {name}.get_weights()"
-                ) from None
-        raise
+    return pack_values(
+        out,
+        lambda name, value, e: TypeError(
+            f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
+            f"({type(e).__name__}); pull a plain value instead, e.g. "
+            f"{name}.state_dict(), {name}.tolist() or {name}.get_weights()"
+        ),
+    )
 
 
 def push(values: Packed) -> list[str]:

@@ -17,7 +17,7 @@ from nbdist.errors import ClusterError
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.options import RunOptions
 from nbdist.kernel.source import used_frameworks
-from nbdist.protocol import Packed, Prepared, pack, pickling_error
+from nbdist.protocol import Packed, Prepared, pack_values
 
 
 def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
@@ -93,18 +93,14 @@ def check_push(
         values[name] = user_ns[name]
     if not values:
         return values, None
-    try:
-        return values, pack(values, tuple(values))
-    except Exception:  # noqa: BLE001 - find which one, and say what to push instead
-        for name, value in values.items():
-            e = pickling_error(value)
-            if e is not None:
-                raise UsageError(
-                    f"{flag} {name}: a {type(value).__name__} cannot be sent to the workers "
-                    f"({type(e).__name__}: {e}). Push what it is made from, and make it "
-                    "inside the cell."
-                ) from None
-        raise
+    return values, pack_values(
+        values,
+        lambda name, value, e: UsageError(
+            f"{flag} {name}: a {type(value).__name__} cannot be sent to the workers "
+            f"({type(e).__name__}: {e}). Push what it is made from, and make it "
+            "inside the cell."
+        ),
+    )
 
 
 def backend_options(opts: RunOptions) -> dict[str, Any]:
