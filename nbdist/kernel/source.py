@@ -6,6 +6,7 @@ import ast
 
 from IPython.core.error import UsageError
 
+from nbdist.kernel.checks import calls
 from nbdist.protocol import CellName
 
 
@@ -93,12 +94,8 @@ def _steps(body: list[ast.stmt], stepping: frozenset[str] | set[str]) -> bool:
     for stmt in body:
         if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.ClassDef)):
             continue
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Call):
-                func = node.func
-                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-                if name in STEP_CALLS or name in stepping:
-                    return True
+        if next(calls(stmt, *STEP_CALLS, *stepping), None) is not None:
+            return True
     return False
 
 
