@@ -9,9 +9,11 @@ bound to the receiving engine's, and nbdist's context objects (``log``, a strate
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from nbdist.engine.namespace import CONTEXT_NAMES, is_user_name, session_namespace
@@ -105,25 +107,19 @@ def dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def loading() -> Any:
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
     """Around loading a session's pickle: cloudpickle sets ``__builtins__`` in the globals of
     each function it rebuilds (here the session namespace): put back the namespace's own."""
-    import contextlib
-
     namespace = session_namespace()
     had = namespace.get("__builtins__", _NONE)
-
-    @contextlib.contextmanager
-    def loading() -> Any:
-        try:
-            yield
-        finally:
-            if had is _NONE:
-                namespace.pop("__builtins__", None)
-            else:
-                namespace["__builtins__"] = had
-
-    return loading()
+    try:
+        yield
+    finally:
+        if had is _NONE:
+            namespace.pop("__builtins__", None)
+        else:
+            namespace["__builtins__"] = had
 
 
 _NONE = object()

@@ -201,12 +201,9 @@ def snapshot() -> Snapshot:
         torch.save(values, buffer, pickle_module=module)
     modules = sorted(n for n, v in values.items() if isinstance(v, types.ModuleType))
     sent = sorted(n for n in values if n not in modules)
-    samplers = list(places.locations(values, _sampler_type() or _Never))
+    sampler = _sampler_type()
+    samplers = list(places.locations(values, sampler)) if sampler is not None else []
     return Snapshot(buffer.getvalue(), sent, modules, unsent, samplers)
-
-
-class _Never:
-    """A type nothing is an instance of."""
 
 
 def _sampler_type() -> type | None:
@@ -393,5 +390,3 @@ def _ddp_arguments(model: Any) -> dict[str, Any]:
         renamed = "forward_sync_buffers" in params
         kwargs["forward_sync_buffers" if renamed else "broadcast_buffers"] = False
     return kwargs
-
-
