@@ -27,14 +27,8 @@ def pull(names: list[str], namespace: dict[str, Any] | None = None) -> Packed:
     """``{name: value}`` for ``names``, packed for the notebook (classes and functions of the
     cells go by value); raises ``NameError``/``TypeError`` naming the first one that is missing
     or cannot be sent, and what to pull instead."""
-    namespace = session_namespace() if namespace is None else namespace
-    out = {}
-    for name in names:
-        if name not in namespace:
-            raise NameError(f"no variable {name!r} on this worker")
-        out[name] = namespace[name]
     return pack_values(
-        out,
+        _named(names, session_namespace() if namespace is None else namespace),
         lambda name, value, e: TypeError(
             f"{name} is a {type(value).__name__}, which cannot be sent to the notebook "
             f"({type(e).__name__}); pull a plain value instead, e.g. "
@@ -55,18 +49,23 @@ def states(names: list[str]) -> bytes:
     :func:`take`), pickled as a healing pickles a session (functions and classes by value)."""
     from nbdist.engine.carry import dumps
 
-    namespace = session_namespace()
     out = {}
-    for name in names:
-        if name not in namespace:
-            raise NameError(f"no variable {name!r} on this worker")
-        value = _unwrapped(namespace[name])
+    for name, value in _named(names, session_namespace()).items():
+        value = _unwrapped(value)
         kind = _kind(value)
         if kind == "keras":
             out[name] = (kind, value.get_weights())
         else:
             out[name] = (kind, value.state_dict() if kind else value)
     return dumps(out)
+
+
+def _named(names: list[str], namespace: dict[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` for ``names``; a ``NameError`` for the first the worker lacks."""
+    for name in names:
+        if name not in namespace:
+            raise NameError(f"no variable {name!r} on this worker")
+    return {name: namespace[name] for name in names}
 
 
 def take(data: bytes) -> list[str]:
