@@ -171,8 +171,7 @@ def unhealable(cluster: Any, framework: str, dead: Sequence[int]) -> str | None:
     state (FSDP2, DTensors), of which each survivor holds only its own shards."""
     if framework == "tf":
         return None
-    survivor = next(r for r in range(cluster.size) if r not in dead)
-    split = cluster.apply_async(survivor, healing.sharded).get(HEAL_TIMEOUT_S)
+    split = cluster.apply_async(_source(cluster.size, dead), healing.sharded).get(HEAL_TIMEOUT_S)
     if not split:
         return None
     lost = ", ".join(map(str, sorted(set(dead))))
@@ -237,7 +236,7 @@ def try_heal(
     try:
         why = unhealable(cluster, framework, dead)
     except Exception as e:  # noqa: BLE001 - a survivor that does not answer: the old way
-        why = f"rank {min(set(range(cluster.size)) - set(dead))} did not answer ({e})"
+        why = f"rank {_source(cluster.size, dead)} did not answer ({e})"
     if why is not None:
         notify(f"{head}not healed: {why}.")
         return None
@@ -254,7 +253,7 @@ def try_heal(
 def announcement(framework: str | None, dead: Sequence[int], size: int) -> str:
     """What a healing is about to do, said as it starts."""
     dead = sorted(set(dead))
-    source = next(r for r in range(size) if r not in dead)
+    source = _source(size, dead)
     if framework == "tf":
         return (
             "healing the session: a MultiWorkerMirroredStrategy cannot change its cluster in "
@@ -266,3 +265,8 @@ def announcement(framework: str | None, dead: Sequence[int], size: int) -> str:
         f"rank{'s' if many else ''} {', '.join(map(str, dead))} and sending "
         f"{'them' if many else 'it'} rank {source}'s variables..."
     )
+
+
+def _source(size: int, dead: Sequence[int]) -> int:
+    """The rank a healing takes the session from: the lowest that survived."""
+    return next(r for r in range(size) if r not in dead)
