@@ -357,14 +357,15 @@ class Cell:
             lost = sorted({*dropped, *session.variables})
         elif state == SessionState.DROPPED:
             lost = dropped
+        kept = state in (SessionState.KEPT, SessionState.REBUILT)
         held: list[str] = []
-        if state in (SessionState.KEPT, SessionState.REBUILT):  # what every rank holds now
+        if kept:  # what every rank holds now
             reported = (r.names for r in outcome.reports.values())
             held = sorted(set(session.variables).union(*reported))
         if error is not None:
             raised = error.ranks if isinstance(error, WorkerError) else []
             line = failures.state_line(
-                state, held if state in (SessionState.KEPT, SessionState.REBUILT) else lost,
+                state, held if kept else lost,
                 connected_stale=cluster.stale, replicas=self.replicas, sharded=self.sharded,
                 framework=plan.framework, raised=raised,
             )  # fmt: skip

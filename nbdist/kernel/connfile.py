@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 STANDARD_SERIALIZERS = ("json", "pickle")  # jupyter_client.Session's built-in names
 MAX_BYTES = 1 << 20
+# How a refusal begins: connecting, or healing with the cluster's launcher (HEAL).
+CONNECT = "%distrain connect: "
 
 
 def check_private(
-    st: os.stat_result, path: Path, what: str, prefix: str = "%distrain connect: "
+    st: os.stat_result, path: Path, what: str, prefix: str = CONNECT
 ) -> None:
     """Refuse ``path`` (as ``st`` describes the open handle) unless this user owns it and
     neither group nor others can write it."""
@@ -55,7 +57,7 @@ def check_private(
 
 
 def _open_folder(
-    path: Path, what: str, *, dir_fd: int | None = None, prefix: str = "%distrain connect: "
+    path: Path, what: str, *, dir_fd: int | None = None, prefix: str = CONNECT
 ) -> int:
     """An open handle on the folder ``path`` (relative to ``dir_fd`` when given, and then not
     through a symbolic link), checked private."""
@@ -230,7 +232,7 @@ def launcher_config(profile_dir: Path) -> Any:
 
 
 def _read_private(
-    path: Path, dir_fd: int, what: str, prefix: str = "%distrain connect: "
+    path: Path, dir_fd: int, what: str, prefix: str = CONNECT
 ) -> bytes | None:
     """The file ``path`` in the folder ``dir_fd`` holds, read once (None: there is none): a
     regular file of this user's that nobody else can write, never through a link; else a

@@ -362,8 +362,7 @@ class LiveView:
         graceful: bool = False,
         expected_steps: int | None = None,
     ) -> None:
-        self.agg = Aggregate(world, earlier=list(earlier))
-        self.agg.total_steps = expected_steps
+        self.agg = Aggregate(world, earlier=list(earlier), total_steps=expected_steps)
         self.graceful = graceful  # Stop ends the run at a step boundary, the session kept
         self.earlier_key = earlier_key
         self.key: str | None = None  # the model this cell trains, once known
@@ -484,10 +483,10 @@ class LiveView:
         self.trains(key or f"{framework}:log")
         if steps_taken is not None:
             history = [h for h in history if h["step"] < steps_taken]
-            total, self.agg = self.agg.total_steps, Aggregate(
-                self.agg.world, start=self.agg.start, earlier=self.agg.earlier
+            agg = self.agg
+            self.agg = Aggregate(
+                agg.world, start=agg.start, earlier=agg.earlier, total_steps=agg.total_steps
             )
-            self.agg.total_steps = total
         self.agg.add(history)
         dashboard, self.dashboard = self.dashboard, None
         if dashboard is not None:
