@@ -38,6 +38,14 @@ def no_process_left(*, spare: int | None = None) -> Iterator[None]:
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
+def kill_now(pid: int) -> None:
+    """SIGKILL process ``pid``, as a crash would end it, and wait until it is gone."""
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    assert gone_or_zombie(pid)
+
+
 def gone_or_zombie(pid: int, timeout: float = 10.0) -> bool:
     """Wait until process ``pid`` is gone, or a zombie (dead, not yet reaped by its parent);
     whether it was within ``timeout`` seconds. A process reaped between two looks is gone."""

@@ -13,7 +13,7 @@ import pytest
 
 from nbdist import WorkerDied
 from tests.cgroups import memory_cgroup
-from tests.procs import cell_started, gone_or_zombie, once_written
+from tests.procs import cell_started, kill_now, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -45,11 +45,6 @@ def _train(sh, steps, pause=0.0, flags="--no-plot", first=""):
     return sh.run_cell_magic("distrain", f"{flags} --push STEPS,PAUSE", first + TRAIN)
 
 
-def _kill(pid):
-    os.kill(pid, signal.SIGKILL)
-    assert gone_or_zombie(pid)
-
-
 def train_and_kill(sh, tmp_path, victims, world):
     """A long training cell (1000 steps of 0.05 s) whose ``victims`` (pids) are killed once
     every rank of ``world`` runs it (a file each writes as it starts) and 0.5 s on: the
@@ -61,7 +56,7 @@ def train_and_kill(sh, tmp_path, victims, world):
         time.sleep(0.5)
         killed.append(time.monotonic())
         for pid in victims:
-            _kill(pid)
+            kill_now(pid)
 
     killer = once_written(running, kill)
     try:
@@ -90,7 +85,7 @@ def test_a_rank_killed_between_cells_is_healed(healing, magics, capsys):
     sh.run_cell_magic("distrain", "--no-plot", BUILD + "gen = (i for i in range(3))\n")
     _train(sh, 5)
     survivor, victim = (e.pid for e in magics.cluster.engines)
-    _kill(victim)
+    kill_now(victim)
     capsys.readouterr()
     sh.run_line_magic("distrain", "status")
     assert (
@@ -235,7 +230,7 @@ def test_a_sharded_model_cannot_be_healed_and_says_why(healing, magics, capsys):
     sh = healing
     sh.run_cell_magic("distrain", "--no-plot", fully_shard_import() + FSDP2_BUILD)
     victim = magics.cluster.engines[1]
-    _kill(victim.pid)
+    kill_now(victim.pid)
     capsys.readouterr()
     assert sh.run_cell_magic("distrain", "--no-plot", "rank\n") == [0, 1]
     out = capsys.readouterr().out
@@ -288,7 +283,7 @@ def test_ten_cycles_of_kill_heal_train_leak_nothing(healing, magics):
     survivor = psutil.Process(magics.cluster.engines[0].pid)
     counts, rss = [], []
     for cycle in range(10):
-        _kill(magics.cluster.engines[1].pid)
+        kill_now(magics.cluster.engines[1].pid)
         done, _, _ = _train(sh, 2)
         assert done == 2 * (cycle + 2)
         counts.append(len(_descendants()))
@@ -340,7 +335,7 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     assert before[0] == before[1] and before[0][2] == 8, before  # 2 epochs of 4 batches
     weights = values("[w.tolist() for w in net.get_weights()]")
     old = [e.pid for e in magics.cluster.engines]
-    _kill(old[1])
+    kill_now(old[1])
     capsys.readouterr()
     after = values("[w.tolist() for w in net.get_weights()]")
     said = capsys.readouterr().out
@@ -365,7 +360,7 @@ def test_tensorflow_heals_as_far_as_it_can_keras_models_rebuilt_in_the_new_scope
     # could end before a loaded machine's first fit in the new engines does).
     victim = magics.cluster.engines[1].pid
     fitted = tmp_path / "fitted"
-    killer = once_written([fitted], lambda: _kill(victim))
+    killer = once_written([fitted], lambda: kill_now(victim))
     with pytest.raises(WorkerDied) as info:
         values("import time\nfor _ in range(200):\n    net.fit(x, y, batch_size=64, verbose=0)\n"
                f"    epochs += 1\n    if rank == 0:\n        open({str(fitted)!r}, 'w').close()\n"

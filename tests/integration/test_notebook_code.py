@@ -4,8 +4,6 @@ gloo, real SIGKILL; the cells are written as a user writes them, not with nbdist
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 
@@ -13,7 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist import WorkerError
-from tests.procs import gone_or_zombie
+from tests.procs import kill_now
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -170,18 +168,13 @@ def test_what_cannot_cross_is_named_in_one_line_and_nothing_hangs(
     )
 
 
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    assert gone_or_zombie(pid)
-
-
 def test_a_healing_carries_the_sessions_imports_functions_and_classes(
     fresh_session, magics, capsys
 ):
     sh = fresh_session
     _notebook(sh)
     sh.run_cell_magic("distrain", "--no-plot --push cfg,scale,shift", MODEL + "train(2)\n")
-    _kill(magics.cluster.engines[1].pid)
+    kill_now(magics.cluster.engines[1].pid)
     capsys.readouterr()
     got = sh.run_cell_magic("distrain", "--no-plot", USES)
     said = capsys.readouterr().out

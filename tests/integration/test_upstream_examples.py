@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from nbdist import WorkerDied
-from tests.procs import cell_started, gone_or_zombie, once_written
+from tests.procs import cell_started, kill_now, once_written
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
 
@@ -121,11 +120,6 @@ def _epochs(said: str) -> list[str]:
     return sorted(line for line in said.splitlines() if "| Batchsize: " in line)
 
 
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    assert gone_or_zombie(pid)
-
-
 def test_the_ddp_tutorials_trainer_survives_kills_and_crosses_to_the_notebook(
     fresh_session, magics, capsys, tmp_path, pasted
 ):
@@ -147,7 +141,7 @@ def test_the_ddp_tutorials_trainer_survives_kills_and_crosses_to_the_notebook(
 
     def kill() -> None:
         time.sleep(0.5)  # well inside train(): its first epoch has begun
-        _kill(victim)
+        kill_now(victim)
 
     killer = once_written(running, kill)
     try:
@@ -172,7 +166,7 @@ def test_the_ddp_tutorials_trainer_survives_kills_and_crosses_to_the_notebook(
     assert list(sh.run_cell_magic("distrain", "", SHARDS)) == [(0, 2, 0), (1, 2, 0)]
 
     # Rank 1 killed between cells: healed before the next cell, which trains on.
-    _kill(magics.cluster.engines[1].pid)
+    kill_now(magics.cluster.engines[1].pid)
     capsys.readouterr()
     sh.run_cell_magic("distrain", "--no-plot", RESET_GPU_ID + "trainer.train(1)\n")
     said = capsys.readouterr().out
