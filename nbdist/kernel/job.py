@@ -473,8 +473,7 @@ class Job:
                 continue
             try:
                 kept, dropped, sharded = ar.get(max(0.0, deadline - time.monotonic()))
-            except Exception:  # the engine could not leave its group: the settling sees to it
-                outcome.left.add(r)
+            except Exception:  # it did not leave its group (yet): the settling asks it again
                 continue
             if kept:
                 outcome.left.add(r)

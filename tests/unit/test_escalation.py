@@ -38,6 +38,7 @@ class Rank:
     # ipyparallel fails its task (its nanny saw it go) this long before its process is gone:
     # (when, how much later); an engine the out-of-memory killer took still frees its memory.
     unregistered_before_gone: tuple[float, float] | None = None
+    release_fails: bool = False  # its worker.release raises (its group half left)
 
 
 class Task:
@@ -139,6 +140,8 @@ class Cluster:
                     other.end("RuntimeError", "Connection closed by peer")
             task.end()
             task.report = (True, [], [])  # it left the group, its variables kept
+            if self.behaviour[rank].release_fails:
+                task.error = RemoteError("RuntimeError", "could not destroy the group", "")
         else:
             task.end()
         return task
@@ -225,6 +228,17 @@ def test_a_rank_that_raises_frees_the_one_waiting_in_a_collective_without_signal
     assert outcome.lost == [] and outcome.stopped == [] and outcome.left == {0}
     assert job_module.states(outcome.ars, outcome.watch) == [RankState.FAILED] * 2
     assert took < 5.0
+
+
+def test_a_rank_whose_release_failed_is_not_counted_as_having_left():
+    """Only a rank that said it left the group is left out of the settling's rebuild; one whose
+    release raised (or is still running) is asked again there, and replaced if it cannot."""
+    cluster = Cluster(
+        [Rank(ends_after=0.05, fails="ValueError", release_fails=True), Rank(in_collective=True)]
+    )
+    outcome, _ = _run(cluster)
+    assert cluster.calls == [("release", (0,))]
+    assert outcome.left == set() and outcome.released == set()
 
 
 def test_timeout_interrupts_at_once_and_kills_the_rank_that_ignores_it():
