@@ -296,6 +296,18 @@ class EngineReport:
     address: str | None  # the address other hosts reach it at (None: not known)
     addresses: list[str] = field(default_factory=list)  # its host's non-loopback IPv4 addresses
     interfaces: dict[str, str] = field(default_factory=dict)  # address -> interface name
+    slurm: SlurmTask | None = None  # the Slurm task it runs as (started by srun), else None
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """Which task of which Slurm job an engine is, from the environment ``srun`` gives it."""
+
+    job: str  # SLURM_JOB_ID
+    procid: int  # SLURM_PROCID: its rank in the job step
+    node: int  # SLURM_NODEID: its node's place in the job's node list
+    local: int  # SLURM_LOCALID: its place on that node
+    nodename: str  # SLURMD_NODENAME
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
 class Hosts:
     """``Hosts(["a", "b"])``: hosts ``nbh-a``, ``nbh-b`` at 10.77.N.1, .2 (N random per run)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], *, sshd: bool = True) -> None:
+        self.with_sshd = sshd
         self.tag = uuid.uuid4().hex[:6]
         self.net = SUBNET.format(int(self.tag[:2], 16) % 200 + 20)
         self.names = [f"nbh-{n}" for n in names]
@@ -81,6 +82,8 @@ class Hosts:
             _ip("addr", "add", f"{self.addresses[host]}/24", "dev", "eth0", ns=ns)
             _ip("link", "set", "eth0", "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
+        if not self.with_sshd:
+            return
         self._ssh_keys()
         os.makedirs("/run/sshd", exist_ok=True)
         for host in self.names:
@@ -147,6 +150,11 @@ class Hosts:
     def exec_argv(self, host: str) -> list[str]:
         """The prefix that runs a command on ``host`` locally (in its namespace)."""
         return ["ip", "netns", "exec", self.ns(host)]
+
+    def enter_argv(self, host: str) -> list[str]:
+        """Like :meth:`exec_argv`, but keeping the machine's ``/sys`` (and its cgroup tree), which
+        ``ip netns exec`` replaces: a daemon that reads cgroups (``slurmd``) needs it."""
+        return ["nsenter", f"--net=/run/netns/{self.ns(host)}"]
 
     def ssh_argv(self, host: str) -> list[str]:
         return ["ssh", "-F", str(self.ssh_config), host]

@@ -7,8 +7,9 @@ import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 
-from nbdist.protocol import EngineReport
+from nbdist.protocol import EngineReport, SlurmTask
 
 
 def visible_gpus() -> list[str]:
@@ -212,7 +213,23 @@ def process_info(address: str | None) -> EngineReport:
         address=address,
         addresses=host_addresses(),
         interfaces=interfaces(),
+        slurm=slurm_task(),
     )
+
+
+def slurm_task(env: Mapping[str, str] = os.environ) -> SlurmTask | None:
+    """The Slurm task this process is (``srun`` set ``SLURM_PROCID`` and the rest), else None.
+    A batch script's own shell has no ``SLURM_PROCID``: only a step's tasks count."""
+    try:
+        return SlurmTask(
+            job=env["SLURM_JOB_ID"],
+            procid=int(env["SLURM_PROCID"]),
+            node=int(env["SLURM_NODEID"]),
+            local=int(env["SLURM_LOCALID"]),
+            nodename=env.get("SLURMD_NODENAME", ""),
+        )
+    except (KeyError, ValueError):
+        return None
 
 
 def interfaces() -> dict[str, str]:

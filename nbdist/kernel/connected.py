@@ -154,6 +154,13 @@ class ConnectedCluster(RankedEngines):
         if scripts is not None:
             shutil.rmtree(scripts, ignore_errors=True)
 
+    def left_text(self) -> str:
+        """What ``%distrain stop`` did, in words."""
+        return (
+            "nbdist: disconnected; the connected cluster's engines keep running, with what "
+            "the cells left on them (this notebook no longer uses them)"
+        )
+
     def restart_text(self) -> str:
         """What to type to restart the engines and connect again, in the words the user
         connected with (profile, profile folder or connection file)."""
@@ -378,6 +385,12 @@ class ConnectedCluster(RankedEngines):
             f"{'its' if count == 1 else 'their'} heartbeat (died, or {', '.join(hosts)} "
             "unreachable)"
         )
+
+    def status_notes(self) -> list[str]:
+        """The Slurm jobs the engines run in (ipcluster's Slurm launcher), as squeue sees them."""
+        from nbdist.kernel.slurm import job_notes
+
+        return job_notes(self.engines)
 
     def _peer(self) -> str:
         """The controller's address as the client reached it: engines find the interface they

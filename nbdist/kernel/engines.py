@@ -20,7 +20,7 @@ from typing import Any
 from nbdist.engine import worker
 from nbdist.engine.hardware import is_loopback
 from nbdist.errors import ClusterError
-from nbdist.protocol import EngineReport
+from nbdist.protocol import EngineReport, SlurmTask
 from nbdist.ranks import MANY_RANKS, spans
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class EngineInfo:
     local_rank: int
     local_world_size: int
     interface: str | None = None  # the network interface its address is on
+    slurm: SlurmTask | None = None  # the Slurm job and task it runs as (srun started it)
 
 
 def _host_key(address: str) -> tuple[Any, ...]:
@@ -106,11 +107,22 @@ def gpus_for_host(seen: Sequence[Sequence[str]]) -> list[tuple[str | None, str, 
     return out
 
 
+def _rank_key(info: EngineReport, engine_id: int, jobs: set[str]) -> tuple[Any, ...]:
+    """Where an engine goes in rank order. Engines of one Slurm job step go as Slurm numbers its
+    tasks, by node then ``SLURM_LOCALID``, so that rank and ``SLURM_PROCID`` agree (with srun's
+    block distribution); any other engines by host address, then engine id."""
+    if info.slurm is not None and len(jobs) == 1:
+        return (info.slurm.node, info.slurm.local)
+    local = info.slurm.local if info.slurm is not None else -1
+    return (_host_key(str(info.address)), local, engine_id)
+
+
 def rank_engines(ids: Sequence[int], infos: Sequence[EngineReport]) -> list[EngineInfo]:
     """Engines in rank order, from their ids and what each reported (``worker.engine_info``
     with its ``address`` settled): local ranks per host address, and a GPU each
     (:func:`gpus_for_host`)."""
-    order = sorted(range(len(ids)), key=lambda i: (_host_key(str(infos[i].address)), ids[i]))
+    jobs = {info.slurm.job if info.slurm else "" for info in infos}
+    order = sorted(range(len(ids)), key=lambda i: _rank_key(infos[i], ids[i], jobs))
     ids, infos = [ids[i] for i in order], [infos[i] for i in order]
     by_host: dict[str, list[int]] = {}
     for rank, info in enumerate(infos):
@@ -138,6 +150,7 @@ def rank_engines(ids: Sequence[int], infos: Sequence[EngineReport]) -> list[Engi
                 local_rank=local_rank,
                 local_world_size=len(peers),
                 interface=info.interfaces.get(address),
+                slurm=info.slurm,
             )
         )
     return engines

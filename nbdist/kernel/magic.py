@@ -184,6 +184,83 @@ def _workers_and_network(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", choices=MODES)
 
 
+def _start_args(p: argparse.ArgumentParser) -> None:
+    _workers_and_network(p)
+    p.add_argument("--slurm", action="store_true")
+    p.add_argument("--nodes", type=_positive_int, metavar="N")
+    p.add_argument("--per-node", type=_positive_int, metavar="K")
+    p.add_argument("--gpus-per-node", type=_positive_int, metavar="G")
+    p.add_argument("--time", metavar="T")
+    p.add_argument("--partition", metavar="P")
+    p.add_argument("--account", metavar="A")
+    p.add_argument("--warn", type=_positive_int, metavar="S")
+    p.add_argument("--sbatch", metavar='"OPTIONS"')
+    p.add_argument("--controller-ip", metavar="IP")
+    p.add_argument("--timeout", type=float, metavar="S")
+
+
+_SLURM_ONLY = ("nodes", "per_node", "gpus_per_node", "time", "partition", "account", "warn",
+               "sbatch", "controller_ip", "timeout")  # fmt: skip
+
+
+def _joined_sbatch(argv: list[str]) -> list[str]:
+    """``--sbatch "--qos=debug"`` as ``--sbatch=--qos=debug``: argparse takes a value that
+    starts with ``-`` for an option of its own."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--sbatch":
+            out.append(f"--sbatch={next(words, '')}")
+        else:
+            out.append(word)
+    return out
+
+
+def slurm_request(ns: argparse.Namespace) -> Any:
+    """The ``SlurmRequest`` of ``%distrain start --slurm ...``, or a UsageError naming what is
+    missing or does not fit."""
+    from nbdist.kernel.slurm import DEFAULT_TIMEOUT_S, DEFAULT_WARN_S, SlurmRequest
+
+    if not ns.slurm:
+        given = [f"--{k.replace('_', '-')}" for k in _SLURM_ONLY if getattr(ns, k) is not None]
+        if given:
+            raise UsageError(
+                f"%distrain start: {', '.join(given)} only go with --slurm, e.g. "
+                "%distrain start --slurm --nodes 2 --per-node 2"
+            )
+        return None
+    if ns.workers is not None or ns.network is not None:
+        raise UsageError(
+            "%distrain start --slurm: the workers are --nodes N × --per-node K (not -n), on "
+            "the cluster's network (not --network)"
+        )
+    if ns.nodes is None or ns.per_node is None:
+        raise UsageError(
+            "%distrain start --slurm needs --nodes N and --per-node K (engines per node, one "
+            "per GPU), e.g. %distrain start --slurm --nodes 2 --per-node 4 --gpus-per-node 4"
+        )
+    try:
+        extra = tuple(shlex.split(ns.sbatch or ""))
+    except ValueError as e:
+        raise UsageError(
+            f"%distrain start --slurm: cannot split --sbatch {ns.sbatch!r} ({e})"
+        ) from None
+    bad = [w for w in extra if not w.startswith("-")]
+    if bad:
+        raise UsageError(
+            f"%distrain start --slurm: --sbatch takes sbatch options (each starting with -), "
+            f"joined by = where they take a value: {bad[0]!r} is not one. E.g. "
+            '--sbatch "--qos=debug --constraint=a100"'
+        )
+    return SlurmRequest(
+        nodes=ns.nodes, per_node=ns.per_node, gpus_per_node=ns.gpus_per_node, time=ns.time,
+        partition=ns.partition, account=ns.account,
+        warn=ns.warn if ns.warn is not None else DEFAULT_WARN_S, sbatch=extra,
+        controller_ip=ns.controller_ip,
+        timeout=ns.timeout if ns.timeout is not None else DEFAULT_TIMEOUT_S,
+    )  # fmt: skip
+
+
 def _connect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile")
     p.add_argument("--cluster-id")
@@ -213,8 +290,11 @@ SUBCOMMANDS = (
         "start", "[-n N] [--network private|isolated|host]",
         "start the workers now (the first %%distrain does it otherwise); --network: private "
         "(default, outbound connections only where slirp4netns is installed), isolated "
-        "(loopback only) or host (this machine's network)",
-        _workers_and_network,
+        "(loopback only) or host (this machine's network). With --slurm --nodes N --per-node K "
+        "[--gpus-per-node G] [--time T] [--partition P] [--account A] [--warn S] [--sbatch "
+        '"..."] [--controller-ip IP] [--timeout S]: a Slurm job of N nodes × K engines, '
+        "cancelled at %distrain stop",
+        _start_args,
     ),
     Subcommand("stop", "", "stop every worker and the controller (a connected cluster: leave it)"),
     Subcommand(
@@ -461,7 +541,7 @@ class DistrainMagics(Magics):
                 f"%distrain needs a subcommand: {_SUBCOMMANDS}. "
                 "To run a cell, put %%distrain (two %) on its first line."
             )
-        ns = _subcommand_parser().parse_args(argv)
+        ns = _subcommand_parser().parse_args(_joined_sbatch(argv))
         return getattr(self, f"_{ns.command}")(ns)
 
     # -- one method per subcommand (SUBCOMMANDS) -------------------------------------------------
@@ -479,6 +559,11 @@ class DistrainMagics(Magics):
         cluster.network_mode = ns.network
 
     def _start(self, ns: argparse.Namespace) -> None:
+        request = slurm_request(ns)
+        if request is not None:
+            self.session.start_slurm(request)
+            print(self.session.status_text())
+            return
         self._network(ns)
         self.session.start(ns.workers)
         print(self.session.status_text())

@@ -5,8 +5,9 @@ atexit handler, and its controller and engines would keep running, holding memor
 reaper is a small child process started with the cluster, in its own session so the kernel's
 death does not take it along. It watches the kernel, by PID *and* start time (a recycled PID is
 not the kernel); when the kernel is gone it kills the process trees listed in the run record
-(:mod:`nbdist.kernel.runfiles`), each only if its start time still matches. When the cluster is
-stopped normally the record is removed and the reaper exits.
+(:mod:`nbdist.kernel.runfiles`), each only if its start time still matches, and cancels the
+Slurm jobs it lists (``scancel``: an allocation left running would burn the user's hours). When
+the cluster is stopped normally the record is removed and the reaper exits.
 
     python -m nbdist.kernel.reaper RECORD   (nbdist starts it with -c, see runfiles.Reaper)
 """
@@ -14,6 +15,7 @@ stopped normally the record is removed and the reaper exits.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -22,6 +24,7 @@ from nbdist.kernel.runfiles import (
     kill_tree,
     parse_record,
     read_trusted,
+    record_jobs,
     remove_record,
     same_process,
 )
@@ -38,9 +41,19 @@ def watch(record: str) -> None:
             if not same_process(kernel):
                 for proc in procs:
                     kill_tree(proc)
+                cancel_jobs(record_jobs(text))
                 remove_record(record, logs=not keep_logs())
                 return
         time.sleep(POLL_S)
+
+
+def cancel_jobs(jobs: list[str]) -> None:
+    """``scancel`` each job (Slurm's own command: it cancels only this user's jobs)."""
+    for job in jobs:
+        try:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
 
 if __name__ == "__main__":

@@ -249,6 +249,15 @@ def read_trusted(path: str | Path) -> str | None:
         os.close(fd)
 
 
+def record_jobs(text: str) -> list[str]:
+    """The Slurm jobs a record names (none in a record of a version that wrote none)."""
+    try:
+        jobs = json.loads(text).get("jobs", [])
+    except (ValueError, AttributeError):
+        return []
+    return [str(j) for j in jobs if str(j).isdigit()] if isinstance(jobs, list) else []
+
+
 def parse_record(text: str) -> tuple[Proc, list[Proc]] | None:
     """The kernel and the processes of a record; None if it cannot be read. A record of an
     earlier boot names a kernel that is gone and no process that can still run.
@@ -282,10 +291,12 @@ class RunRecord:
         os.close(fd)
         self.path = Path(name)
         self.procs: list[Proc] = []
+        self.jobs: list[str] = []
         self.write([])
 
-    def write(self, pids: Iterable[int | None]) -> None:
-        """Record exactly ``pids`` (those still running) as the cluster's processes.
+    def write(self, pids: Iterable[int | None], *, jobs: Iterable[str] | None = None) -> None:
+        """Record exactly ``pids`` (those still running) as the cluster's processes, and
+        ``jobs``, the batch jobs (Slurm's) to cancel with them (unchanged when None).
 
         A PID recorded before keeps the start it was recorded with, and is dropped when
         that process is gone: a dead engine's PID, reused by another process (PIDs wrap at
@@ -304,7 +315,9 @@ class RunRecord:
             if start is not None:
                 procs.append((pid, start))
         self.procs = procs
-        record = {"kernel": self.kernel, "boot": self.boot, "started": procs}
+        if jobs is not None:
+            self.jobs = [str(j) for j in jobs]
+        record = {"kernel": self.kernel, "boot": self.boot, "started": procs, "jobs": self.jobs}
         write_atomic(self.path, json.dumps(record))
 
     @property

@@ -171,12 +171,7 @@ class Session:
         self.apply_changes()
         if connected:
             self.cluster = self._local()
-            return (
-                "nbdist: disconnected; the connected cluster's engines keep running, with what "
-                "the cells left on them (this notebook no longer uses them)"
-                if was
-                else "nbdist: no cluster was running"
-            )
+            return cluster.left_text() if was else "nbdist: no cluster was running"
         return "nbdist: cluster stopped" if was else "nbdist: no cluster was running"
 
     def connect(self, **how: Any) -> None:
@@ -195,6 +190,27 @@ class Session:
 
         connected.connect(before=leave, **how)
         self.cluster = connected
+        self.exposure_told = False
+        self.apply_changes()
+
+    def start_slurm(self, request: Any) -> None:
+        """``%distrain start --slurm``: a Slurm job's engines become the workers (the current
+        ones are left once Slurm accepted the request)."""
+        from nbdist.kernel.slurm import SlurmJobCluster
+
+        if self.prestart is not None:
+            self.prestart.cancel()
+        old = self.cluster
+        job = SlurmJobCluster(request, notify=self.notify)
+        job.on_change = self._engines_changed
+
+        def leave() -> None:
+            if old.running:
+                self.notify("nbdist: leaving the current workers for the Slurm job's")
+                old.stop(note="the notebook left its workers for a Slurm job's")
+
+        job.start_job(before=leave)
+        self.cluster = job
         self.exposure_told = False
         self.apply_changes()
 

@@ -1,0 +1,257 @@
+"""A real Slurm (Debian's slurm-wlm and munge; see tests/slurm.py): slurmctld on a login host,
+two nodes with a slurmd each, every one a network namespace with its own hostname and address.
+The notebook's kernel runs on the login host, as on a cluster's login node.
+
+- engines that ``ipcluster start`` had Slurm start (its own launcher, the profile the docs
+  show), then ``%distrain connect``: ranks as Slurm numbers the tasks, DDP and TensorFlow in
+  sync across the nodes, ``status`` naming the job and its nodes;
+- ``%distrain start --slurm``: the job's id and its pending state as ``squeue`` gives it, a
+  session across both nodes, and no allocation left by ``stop``, a kernel's exit or a kernel
+  killed with -9;
+- bad requests refused in sbatch's own words, with no job queued.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.kernel_proc import KernelProcess
+from tests.procs import kill_now
+from tests.slurm import SlurmCluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
+
+REASON = SlurmCluster.skip_reason()
+if REASON:
+    pytest.skip(REASON, allow_module_level=True)
+
+BUILD = textwrap.dedent(
+    """
+    import torch.nn.functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = nn.Linear(8, 16), nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.out(F.relu(self.hidden(x)))
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
+    """
+)
+TRAIN = textwrap.dedent(
+    """
+    for step in range(10):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    """
+)
+WHO = (
+    "import os, socket\n"
+    "(socket.gethostname(), os.environ['SLURM_PROCID'], os.environ['SLURM_LOCALID'], rank)"
+)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    with SlurmCluster(["a", "b"]) as s:
+        yield s
+
+
+def _kernel(slurm: SlurmCluster) -> KernelProcess:
+    return KernelProcess(slurm.hosts.exec_argv(slurm.login), env=slurm.env)
+
+
+@pytest.fixture
+def kernel(slurm):
+    k = _kernel(slurm)
+    yield k
+    k.close()
+    assert slurm.wait_no_jobs() == []
+
+
+def _ok(result):
+    assert result["error"] is None, result["rendered"] or result["err"]
+    return result
+
+
+def _refused(result, words):
+    assert result["error"] is not None, result["out"]
+    assert words in result["rendered"], result["rendered"]
+    return result["rendered"]
+
+
+def _session_across_nodes(slurm, kernel):
+    """A DDP model of the notebook's own class trained across both nodes: identical replicas,
+    each rank the Slurm task of the same number."""
+    a, b = slurm.nodes
+    _ok(kernel.run(f"%%distrain --framework torch --no-plot --timeout 60\n{BUILD}"))
+    _ok(kernel.run(f"%%distrain --no-plot -o who\n{WHO}"))
+    who = eval(_ok(kernel.run("who.values"))["value"])
+    assert who == [(a, "0", "0", 0), (a, "1", "1", 1), (b, "2", "0", 2), (b, "3", "1", 3)]
+    for _ in range(2):
+        _ok(kernel.run(f"%%distrain --no-plot\n{TRAIN}"))
+    same = _ok(kernel.run("%distrain compare model"))["value"]
+    assert same == "model: identical on 4 ranks (4 entries)", same
+
+
+def test_connect_to_engines_ipcluster_started_with_slurms_launcher(slurm, kernel, tmp_path):
+    """The profile docs/two-machines.md shows, ``ipcluster start --engines=slurm``, then
+    ``%distrain connect``: ranks follow Slurm's task numbers, and status names the job."""
+    profile = tmp_path / "profile_slurm"
+    profile.mkdir(mode=0o700)
+    (profile / "ipcluster_config.py").write_text(
+        "c.Cluster.engine_launcher_class = 'slurm'\n"
+        f"c.Cluster.controller_ip = '{slurm.address(slurm.login)}'\n"
+        "c.SlurmEngineSetLauncher.timelimit = '10:00'\n"
+    )
+    log = open(tmp_path / "ipcluster.log", "wb")  # noqa: SIM115
+    subprocess.run(
+        [*slurm.hosts.exec_argv(slurm.login), sys.executable, "-m", "ipyparallel.cluster",
+         "start", f"--profile-dir={profile}", "-n", "4", "--daemonize", "--log-level=ERROR"],
+        stdout=log, stderr=subprocess.STDOUT, env=slurm.env, check=True, timeout=60,
+    )  # fmt: skip
+    try:
+        out = _ok(kernel.run(f"%distrain connect --profile-dir {profile} -n 4 --timeout 120"))
+        assert "connected to 4 engines on 2 hosts" in out["out"], out
+        [job] = [line.split()[0] for line in slurm.jobs()]
+        status = _ok(kernel.run("%distrain status"))["out"]
+        a, b = slurm.nodes
+        assert f"  {a} ({slurm.address(a)}): 2 engines, ranks 0-1, GPUs none" in status
+        assert re.search(
+            rf"^Slurm job {job}: nodes {a}, {b}, RUNNING, time left \d+:\d\d of 10:00$",
+            status, re.M,
+        ), status  # fmt: skip
+        _session_across_nodes(slurm, kernel)
+        _ok(kernel.run("%distrain stop"))
+    finally:
+        subprocess.run(
+            [*slurm.hosts.exec_argv(slurm.login), sys.executable, "-m", "ipyparallel.cluster",
+             "stop", f"--profile-dir={profile}"],
+            env=slurm.env, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        log.close()
+
+
+def _blocker(slurm: SlurmCluster) -> str:
+    """A job that holds every CPU of both nodes until it is cancelled."""
+    out = slurm.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2",
+                     "--output=/dev/null", "--wrap", "sleep 600"])  # fmt: skip
+    job = out.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 20
+    while not any(line.split()[:2] == [job, "RUNNING"] for line in slurm.jobs()):
+        assert time.monotonic() < deadline, slurm.jobs()
+        time.sleep(0.2)
+    return job
+
+
+def test_start_slurm_waits_while_pending_trains_across_nodes_and_stop_cancels(slurm, kernel):
+    """``%distrain start --slurm`` while another job holds the nodes: the job id, then
+    ``PENDING (Resources)``; once the nodes are free, a session across both; ``stop`` leaves
+    no allocation."""
+    blocker = _blocker(slurm)
+    kernel.send("%distrain start --slurm --nodes 2 --per-node 2 --time 10 --timeout 120")
+    deadline = time.monotonic() + 60
+    while not any("PENDING Resources" in line for line in slurm.jobs()):
+        assert time.monotonic() < deadline, slurm.jobs()
+        time.sleep(0.3)
+    time.sleep(2)  # nbdist reads the state once a second
+    slurm.run(["scancel", blocker])
+    started = _ok(kernel.result())["out"]
+    job = re.search(r"nbdist: Slurm job (\d+) submitted: 2 nodes × 2 engines, time 10\n", started)
+    assert job, started
+    job = job.group(1)
+    assert f"nbdist: Slurm job {job} PENDING (Resources)\n" in started, started
+    a, b = slurm.nodes
+    assert f"nbdist: Slurm job {job} RUNNING on {a},{b}; waiting for its 4 engines" in started
+    assert f"nbdist: 4 workers on 2 hosts, Slurm job {job} (--nodes 2 --per-node 2 --time 10)"
+    assert re.search(rf"^Slurm job {job}: nodes {a}, {b}, RUNNING, time left", started, re.M)
+    _session_across_nodes(slurm, kernel)
+    stopped = _ok(kernel.run("%distrain stop"))["out"]
+    assert stopped.startswith(f"nbdist: Slurm job {job} cancelled, and the controller stopped")
+    assert slurm.wait_no_jobs(20) == []
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (
+            "--nodes 1 --per-node 1 --partition nosuch",
+            "invalid partition specified: nosuch; Invalid partition name specified",
+        ),
+        ("--nodes 3 --per-node 1", "Requested node configuration is not available"),
+        ("--nodes 2 --per-node 3", "Requested node configuration is not available"),
+        (
+            '--nodes 1 --per-node 1 --sbatch "--mem-per-cpu=abc"',
+            "Invalid --mem-per-cpu specification",
+        ),
+    ],
+)
+def test_a_request_slurm_refuses_is_quoted_in_its_words_and_nothing_is_queued(
+    slurm, kernel, request_, words
+):
+    t = time.monotonic()
+    message = _refused(kernel.run(f"%distrain start --slurm {request_}"), words)
+    assert time.monotonic() - t < 10
+    assert f"%distrain start --slurm {request_}: Slurm refused the job: {words}" in message
+    assert "Nothing was queued." in message
+    assert slurm.jobs() == []
+    assert "no cluster running" in _ok(kernel.run("%distrain status"))["out"]
+
+
+def test_no_sbatch_on_path_and_a_job_pending_past_its_timeout(slurm, kernel):
+    _ok(kernel.run("import os; path = os.environ['PATH']; os.environ['PATH'] = '/nonexistent'"))
+    _refused(
+        kernel.run("%distrain start --slurm --nodes 1 --per-node 1"),
+        "%distrain start --slurm: no sbatch on PATH here",
+    )
+    _ok(kernel.run("os.environ['PATH'] = path"))
+    blocker = _blocker(slurm)
+    try:
+        t = time.monotonic()
+        message = _refused(
+            kernel.run("%distrain start --slurm --nodes 1 --per-node 1 --timeout 3"),
+            "was still PENDING (Resources) after 3 s: nbdist cancelled it",
+        )
+        assert time.monotonic() - t < 20, message
+        assert [line.split()[0] for line in slurm.jobs()] == [blocker]
+    finally:
+        slurm.run(["scancel", blocker])
+
+
+@pytest.mark.parametrize("how", ["kill -9", "exit"])
+def test_a_kernel_that_ends_leaves_no_allocation(slurm, how):
+    """The kernel's exit cancels the job (its exit handler); a kernel killed with -9 too (the
+    reaper, from the run record). squeue is empty within 20 s."""
+    k = _kernel(slurm)
+    try:
+        _ok(k.run("%distrain start --slurm --nodes 2 --per-node 1 --time 5"))
+        assert len(slurm.jobs()) == 1
+    finally:
+        if how == "kill -9":
+            kill_now(k.proc.pid)
+        else:
+            k.close()
+    assert slurm.wait_no_jobs(20) == []
+    assert not [p for h in slurm.nodes for p in slurm.hosts.pids(h) if _is_engine(p)]
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"nbdist.engine.boot" in f.read()
+    except OSError:
+        return False
