@@ -398,7 +398,10 @@ class Cell:
         return CellOutcome(
             # A graceful stop: the cell's outcome is kept as a finished cell's is, and the
             # session raises the notice after taking it in.
-            error=failures.graceful_stop(stopped_at, live_view.agg.step_text)
+            error=failures.graceful_stop(
+                stopped_at, live_view.agg.step_text,
+                why=None if outcome.stop_asked else self.cluster.outside_stop(),
+            )  # fmt: skip
             if stopped_at
             else None,
             state=state,

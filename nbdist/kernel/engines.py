@@ -424,6 +424,10 @@ class RankedEngines:
         """Lines on the cluster for ``%distrain status`` (the local one: its network)."""
         return []
 
+    def outside_stop(self) -> str:
+        """Who stopped a cell at a step boundary when the notebook did not ask."""
+        return "a stop signal (SIGUSR1) sent to the workers from outside the notebook"
+
     def _forget_engines(self, note: str | None = None) -> None:
         """The engines are gone or about to change: the session hears of it (``note``: what to
         tell the user if variables lived on them; None: the caller tells)."""

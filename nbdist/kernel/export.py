@@ -43,6 +43,7 @@ class CellRecord:
     kind: str = "cell"  # or "push": a %distrain push between cells (source empty)
     # The machines the ranks ran on, in rank order: (hostname, address, interface, workers).
     nodes: tuple[tuple[str, str, str | None, int], ...] = ()
+    slurm_job: str | None = None  # the Slurm job the ranks ran in
     name: CellName = field(default_factory=CellName)  # as the notebook named it
 
 
@@ -262,6 +263,42 @@ def multi_node_commands(nodes: Sequence[tuple[str, str, str | None, int]], scrip
     return "\n".join(lines) + "\n"
 
 
+# The first node of the job, by the address Slurm reaches it at (NodeAddr: a node's name need
+# not resolve); run inside the job, on any of its nodes.
+_FIRST_NODE = (
+    'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+    "    export MASTER_ADDR=$(scontrol show node \"$first\" | "
+    "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')"
+)
+
+
+def slurm_commands(nodes: Sequence[tuple[str, str, str | None, int]], script: str, job: str) -> str:
+    """The header's part for a session that ran in a Slurm job: a batch script to give
+    ``sbatch``, whose last lines are the ``srun`` + ``torchrun`` command for an allocation the
+    user holds (``salloc``). One torchrun per node (``--ntasks-per-node=1``), each starting that
+    node's workers; the rendezvous on the job's first node."""
+    workers = max(w for *_, w in nodes)
+    n = len(nodes)
+    torchrun = (
+        f"torchrun --nnodes {n} --nproc_per_node {workers} --node_rank $SLURM_NODEID "
+        f"--master_addr $MASTER_ADDR --master_port 29400 {script}"
+    )
+    return (
+        f"It ran in Slurm job {job}, on {n} node{'s' if n > 1 else ''} with {workers} "
+        f"worker{'s' if workers > 1 else ''} each. To run it as a batch job, save these lines "
+        f"as {Path(script).stem}.sbatch beside it and run sbatch {Path(script).stem}.sbatch "
+        "there:\n\n"
+        "    #!/bin/sh\n"
+        f"    #SBATCH --nodes={n}\n"
+        "    #SBATCH --ntasks-per-node=1\n"
+        f"    #SBATCH --cpus-per-task={workers}\n"
+        f"    {_FIRST_NODE}\n"
+        f"    srun sh -c '{torchrun}'\n\n"
+        f"In an allocation you hold (salloc --nodes={n} --ntasks-per-node=1 "
+        f"--cpus-per-task={workers}), the last two lines are the command.\n"
+    )
+
+
 def _calls_log(tree: ast.AST) -> bool:
     """``log(...)`` or ``nbdist.log(...)``; not ``torch.log`` or ``np.log``."""
     for node in ast.walk(tree):
@@ -348,7 +385,9 @@ def export_script(
         if any(c.autolog for c in ran) and not explicit_log:
             parts.append(_TORCH_AUTOLOG)
         how = f"Run it with:\n\n    {run}\n"
-        if len(last.nodes) > 1:
+        if last.slurm_job is not None:
+            how = slurm_commands(last.nodes, path.name, last.slurm_job)
+        elif len(last.nodes) > 1:
             how = multi_node_commands(last.nodes, path.name)
     else:
         if last.strategy == "mirrored":
@@ -373,8 +412,8 @@ def export_script(
         write_new(data, pack(pushes).data, mode=0o600, replace=force)
         written.append(data)
         parts.insert(0, _PUSH.format(name=data.name))  # checked before anything else runs
-    header = (
-        f'"""Exported from a %%distrain session by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
+    header = (  # raw: a Slurm header holds sed's backslashes
+        f'r"""Exported from a %%distrain session by nbdist on {time.strftime("%Y-%m-%d")}.\n\n'
         f"{len(ran)} cell{'s' if len(ran) > 1 else ''} ran on {n} "
         f"worker{'s' if n > 1 else ''} ({last.framework}). {how}"
         '"""\n'

@@ -208,12 +208,15 @@ def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | 
 
 
 def graceful_stop(
-    stopped_at: dict[int, int], step_text: Callable[[int], str] = lambda s: f"step {s}"
+    stopped_at: dict[int, int],
+    step_text: Callable[[int], str] = lambda s: f"step {s}",
+    *,
+    why: str | None = None,
 ) -> JobInterrupted:
     """The cell a graceful stop ended: after which step (``stopped_at``: each rank's steps
     taken; said as the panel numbers steps, from 0 as ``for step in range(n)`` does, and by
     ``step_text``: the cell's, and the session's where they differ), and that the session goes
-    on."""
+    on. ``why``: who asked, when not the notebook (a Slurm job's time-limit warning)."""
     steps = sorted(set(stopped_at.values()))
     if len(steps) == 1:
         taken = steps[0]
@@ -229,7 +232,8 @@ def graceful_stop(
             + ", ".join(f"rank {r}: {s}" for r, s in sorted(stopped_at.items()))
             + "): the loop has no collective in every step to keep them together"
         )
-    error = JobInterrupted(f"stopped (Stop button or Kernel > Interrupt): {where}.")
+    error = JobInterrupted(f"stopped ({why or 'Stop button or Kernel > Interrupt'}): {where}.")
+    error.outside = why is not None
     error.state = (
         "The workers' variables are kept and the process group stays: the next cell continues "
         "from there (%distrain compare model checks the replicas)."

@@ -166,6 +166,52 @@ def heal(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Carried:
+    """A session kept in the notebook between two sets of engines (a Slurm job's time limit):
+    rank 0's variables and imports, and where the DDP models go again."""
+
+    snap: Any  # engine.healing.Snapshot
+    rewrap: dict[str, Any]
+    imports: tuple[str, ...]
+    variables: tuple[str, ...]
+
+    def text(self) -> str:
+        what = ", ".join(self.snap.sent) or "none"
+        line = f"the session's variables ({what}) were saved in the notebook"
+        if self.snap.unsent:
+            line += " (not " + ", ".join(
+                f"{n}: {why}" for n, why in sorted(self.snap.unsent.items())
+            ) + ")"
+        return line
+
+
+def carry_out(cluster: Any, framework: str, imports: tuple[str, ...]) -> Carried:
+    """Every rank leaves the group (DDP models unwrapped, the variables kept: the next cell on
+    these engines wraps them again), and rank 0's session comes to the notebook, as a
+    healing's snapshot: :func:`carry_in` gives it to other engines."""
+    ranks = list(range(cluster.size))
+    left = gather(
+        ranks, [cluster.apply_async(r, healing.leave_group, framework) for r in ranks],
+        HEAL_TIMEOUT_S, late=_late,
+    )  # fmt: skip
+    snap = cluster.apply_async(0, healing.snapshot).get(HEAL_TIMEOUT_S)
+    return Carried(snap=snap, rewrap=left[0], imports=imports, variables=tuple(snap.sent))
+
+
+def carry_in(cluster: Any, carried: Carried) -> list[str]:
+    """Every rank of ``cluster`` takes the carried session (``engine.healing.restore``); the
+    next cell wraps its DDP models on the new group. The names restored."""
+    ranks = list(range(cluster.size))
+    restored = gather(
+        ranks,
+        [cluster.apply_async(r, healing.restore, carried.snap, carried.rewrap, carried.imports)
+         for r in ranks],
+        HEAL_TIMEOUT_S, late=_late,
+    )  # fmt: skip
+    return restored[0]
+
+
 def unhealable(cluster: Any, framework: str, dead: Sequence[int]) -> str | None:
     """Why what the survivors hold cannot rebuild the ranks ``dead`` (None: it can): sharded
     state (FSDP2, DTensors), of which each survivor holds only its own shards."""

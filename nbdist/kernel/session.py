@@ -71,6 +71,7 @@ class Session:
         self.rendezvous: dict[str, Rendezvous] = {}  # each framework's live one
         self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
+        self.carried: healing.Carried | None = None  # saved at a Slurm job's time limit
         self.heal_lost = True  # %distrain heal off: a lost rank takes the variables with it
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
         self.curve: list[Segment] = []  # the loss curves of its training cells, continued
@@ -195,7 +196,8 @@ class Session:
 
     def start_slurm(self, request: Any) -> None:
         """``%distrain start --slurm``: a Slurm job's engines become the workers (the current
-        ones are left once Slurm accepted the request)."""
+        ones are left once Slurm accepted the request). A session kept at the last job's time
+        limit (:meth:`_keep_for_next_job`) goes on on the new job's ranks."""
         from nbdist.kernel.slurm import SlurmJobCluster
 
         if self.prestart is not None:
@@ -203,16 +205,53 @@ class Session:
         old = self.cluster
         job = SlurmJobCluster(request, notify=self.notify)
         job.on_change = self._engines_changed
+        carried, kept = self.carried, (self.cells, self.curve, self.curve_key)
 
         def leave() -> None:
             if old.running:
                 self.notify("nbdist: leaving the current workers for the Slurm job's")
-                old.stop(note="the notebook left its workers for a Slurm job's")
+                why = "the notebook left its workers for a Slurm job's"
+                old.stop(note=None if carried else why)
 
         job.start_job(before=leave)
         self.cluster = job
         self.exposure_told = False
         self.apply_changes()
+        if carried is not None:
+            names = healing.carry_in(job, carried)
+            self.carried = None
+            self.variables = names
+            self.cells, self.curve, self.curve_key = kept
+            self.notify(
+                f"nbdist: the session goes on: every rank got the saved variables "
+                f"({', '.join(names) or 'none'}); the next cell wraps "
+                f"{', '.join(sorted(carried.rewrap)) or 'no model'} in DistributedDataParallel "
+                "again, on the new job's group"
+            )
+
+    def _keep_for_next_job(self, error: Any, framework: str) -> None:
+        """A cell stopped by the Slurm job's time-limit warning: the session's variables come
+        to the notebook, for the next ``%distrain start --slurm`` (torch only)."""
+        from nbdist.kernel.slurm import SlurmJobCluster
+
+        cluster = self.cluster
+        if not isinstance(cluster, SlurmJobCluster) or framework != "torch":
+            return
+        try:
+            self.carried = healing.carry_out(cluster, framework, self.imports())
+        except Exception as e:  # noqa: BLE001 - said; the job still runs
+            error.state = f"{error.state} The session could not be saved ({e})."
+            return
+        from nbdist.engine import backends
+
+        if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+            self.rendezvous.pop(framework, None)  # the ranks left the group: a new one next
+        error.state = (
+            f"{self.carried.text()[0].upper()}{self.carried.text()[1:]}, and the group left. "
+            f"%distrain start --slurm {cluster.request.words()} gives them to a new job's "
+            "ranks (it cancels this one); a cell on this job before its end wraps the models "
+            "again on a new group."
+        )
 
     def close(self) -> None:
         if self.prestart is not None:
@@ -425,10 +464,13 @@ class Session:
                 fresh=opts.fresh,
                 on=opts.on,
                 nodes=_nodes(self.cluster.engines[: done.plan.world]),
+                slurm_job=_slurm_job(self.cluster.engines[: done.plan.world]),
                 name=cell or CellName(),
             )  # fmt: skip
         )
         if done.error is not None:  # a graceful stop: the cell is taken in, then the notice
+            if getattr(done.error, "outside", False):
+                self._keep_for_next_job(done.error, done.result.framework)
             raise done.error
         if done.pull_error is not None:
             raise UsageError(f"%%distrain: {done.pull_error} (the cell itself ran).")
@@ -442,6 +484,12 @@ def _nodes(engines: Any) -> tuple[tuple[str, str, str | None, int], ...]:
     for e in engines:
         nodes.setdefault(e.address, []).append(e)
     return tuple((es[0].host, a, es[0].interface, len(es)) for a, es in nodes.items())
+
+
+def _slurm_job(engines: Any) -> str | None:
+    """The Slurm job every one of ``engines`` runs in, else None."""
+    jobs = {e.slurm.job if e.slurm is not None else None for e in engines}
+    return jobs.pop() if len(jobs) == 1 else None
 
 
 def shown_value(result: DistrainResult) -> Any:

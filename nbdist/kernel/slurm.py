@@ -93,6 +93,11 @@ def sbatch_lines(request: SlurmRequest, *, name: str, output: Path) -> list[str]
         f"--ntasks={request.tasks}",
         f"--output={output}",
     ]
+    # The time-limit warning: SIGUSR1 to the engines (every step's tasks, not the batch shell),
+    # nbdist's graceful stop signal: a running cell stops at a step boundary.
+    lines.append(f"--signal=USR1@{request.warn}")
+    # A node lost does not end the job: the engines on the others go on, and the session heals.
+    lines.append("--no-kill")
     if request.gpus_per_node:
         lines.append(f"--gpus-per-node={request.gpus_per_node}")
     if request.time:
@@ -115,7 +120,7 @@ def job_script(request: SlurmRequest, *, name: str, output: Path, program: Seque
             "# written by nbdist (%distrain start --slurm)",
             f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( (SLURM_CPUS_ON_NODE + '
             f'{request.per_node - 1}) / {request.per_node} ))}}"',
-            f"srun --kill-on-bad-exit=0 {shlex.join(program)}",
+            f"srun --kill-on-bad-exit=0 --no-kill {shlex.join(program)}",
             "",
         ]
     )
@@ -485,6 +490,14 @@ class SlurmJobCluster(ConnectedCluster):
 
     def status_notes(self) -> list[str]:
         return job_notes(self.engines)
+
+    def outside_stop(self) -> str:
+        """A graceful stop the notebook did not ask for: Slurm's time-limit warning (the job
+        script asks for it: ``--signal=USR1@WARN``)."""
+        job = self.jobs[0].job if self.jobs else "?"
+        state = job_state(job) if self.jobs else None
+        left = f": {state.left} left of its {state.limit}" if state is not None else ""
+        return f"the time-limit warning of Slurm job {job}{left}"
 
     def time_left(self) -> int | None:
         """Seconds left of the first job's time limit (None: unlimited, or not known)."""

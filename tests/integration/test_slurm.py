@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.kernel_proc import KernelProcess
-from tests.procs import kill_now
+from tests.procs import cell_started, kill_now, wait_until
 from tests.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch, pytest.mark.slow]
@@ -59,6 +59,7 @@ TRAIN = textwrap.dedent(
         opt.step()
     """
 )
+CHECKSUM = "sum(float(p.detach().double().sum()) for p in model.parameters())"
 WHO = (
     "import os, socket\n"
     "(socket.gethostname(), os.environ['SLURM_PROCID'], os.environ['SLURM_LOCALID'], rank)"
@@ -158,7 +159,9 @@ def _blocker(slurm: SlurmCluster) -> str:
     return job
 
 
-def test_start_slurm_waits_while_pending_trains_across_nodes_and_stop_cancels(slurm, kernel):
+def test_start_slurm_waits_while_pending_trains_across_nodes_and_stop_cancels(
+    slurm, kernel, tmp_path
+):
     """``%distrain start --slurm`` while another job holds the nodes: the job id, then
     ``PENDING (Resources)``; once the nodes are free, a session across both; ``stop`` leaves
     no allocation."""
@@ -180,9 +183,49 @@ def test_start_slurm_waits_while_pending_trains_across_nodes_and_stop_cancels(sl
     assert f"nbdist: 4 workers on 2 hosts, Slurm job {job} (--nodes 2 --per-node 2 --time 10)"
     assert re.search(rf"^Slurm job {job}: nodes {a}, {b}, RUNNING, time left", started, re.M)
     _session_across_nodes(slurm, kernel)
+    checksum = float(_ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"])
+    script = tmp_path / "train.py"
+    _ok(kernel.run(f"%distrain export {script}"))
     stopped = _ok(kernel.run("%distrain stop"))["out"]
     assert stopped.startswith(f"nbdist: Slurm job {job} cancelled, and the controller stopped")
     assert slurm.wait_no_jobs(20) == []
+    _run_export_with_sbatch(slurm, script, job, checksum)
+
+
+def _run_export_with_sbatch(slurm, script, job, checksum):
+    """The export's header: a batch script, given to sbatch as it stands (torchrun named by its
+    path, the venv not being on PATH here), runs on both nodes to exit 0 and trains to the
+    session's parameters."""
+    text = script.read_text()
+    header = text.split('"""')[1]
+    assert f"It ran in Slurm job {job}, on 2 nodes with 2 workers each." in header
+    block = header.split(f"sbatch {script.stem}.sbatch there:\n\n")[1].split("\n\n")[0]
+    batch = "\n".join(line[4:] for line in block.splitlines())
+    assert batch.splitlines()[:4] == [
+        "#!/bin/sh", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=2",
+    ]  # fmt: skip
+    torchrun = f"{sys.executable.rsplit('/', 1)[0]}/torchrun"
+    batch = batch.replace("torchrun ", f"{torchrun} ") + '\necho "srun exited $?"\n'
+    (script.parent / "train.sbatch").write_text(batch)
+    after = "\n# --- after the cells "
+    script.write_text(
+        text.replace(after, f"\nif is_main:\n    print('checksum', repr({CHECKSUM}))\n" + after)
+    )
+    output = script.parent / "train.out"
+    submitted = slurm.run(
+        ["sbatch", "--parsable", f"--output={output}", f"--chdir={script.parent}",
+         str(script.parent / "train.sbatch")]
+    )  # fmt: skip
+    ran = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 240
+    while any(line.split()[0] == ran for line in slurm.jobs()):
+        assert time.monotonic() < deadline, output.read_text()[-3000:]
+        time.sleep(1)
+    out = output.read_text()
+    assert "srun exited 0" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("checksum "))
+    assert float(line.split()[1]) == checksum
 
 
 @pytest.mark.parametrize(
@@ -255,3 +298,45 @@ def _is_engine(pid: int) -> bool:
             return b"nbdist.engine.boot" in f.read()
     except OSError:
         return False
+
+
+def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, kernel, tmp_path):
+    """Slurm's warning before the time limit (the job asks for it with --signal=USR1@WARN; sent
+    here with scancel -s USR1 as slurmctld sends it, to every step's tasks) stops the running
+    cell at a step boundary and names the job's limit; the session comes to the notebook, and
+    the next ``start --slurm`` gives it to the new job's ranks, the old job cancelled."""
+    start = "%distrain start --slurm --nodes 2 --per-node 1 --time 10"
+    first_job = _ok(kernel.run(start))["out"]
+    job = re.search(r"Slurm job (\d+) submitted", first_job).group(1)
+    _ok(kernel.run(f"%%distrain --framework torch --no-plot --timeout 60\n{BUILD}"))
+    first, running = cell_started(tmp_path, 2)
+    long_cell = "import time\nfor step in range(100000):\n" + textwrap.indent(TRAIN, "    ")
+    long_cell += "    time.sleep(0.01)\n"
+    kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
+    wait_until(lambda: all(p.exists() for p in running), 60)
+    time.sleep(1)
+    slurm.run(["scancel", "-s", "USR1", job])
+    stopped = kernel.result()
+    assert stopped["error"] == "JobInterrupted", stopped
+    text = stopped["rendered"]
+    assert re.search(
+        rf"stopped \(the time-limit warning of Slurm job {job}: \d+:\d\d left of its 10:00\): "
+        r"every rank stopped after step \d+", text,
+    ), text  # fmt: skip
+    assert "were saved in the notebook" in text, text
+    checksum = _ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"]
+
+    moved = _ok(kernel.run(start))["out"]
+    assert f"nbdist: Slurm job {job} cancelled" not in moved  # said once, by the stop below
+    new_job = re.search(r"Slurm job (\d+) submitted", moved).group(1)
+    assert new_job != job
+    assert (
+        "the session goes on: every rank got the saved variables (F, Net, g, loss, model, opt, "
+        "step, time, x, y); the next cell wraps model in DistributedDataParallel again"
+    ) in moved, moved
+    assert [line.split()[0] for line in slurm.jobs()] == [new_job]
+    assert _ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"] == checksum
+    _ok(kernel.run(f"%%distrain --no-plot\n{TRAIN}"))
+    same = _ok(kernel.run("%distrain compare model"))["value"]
+    assert same == "model: identical on 2 ranks (4 entries)", same
+    _ok(kernel.run("%distrain stop"))
