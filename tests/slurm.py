@@ -99,6 +99,13 @@ class SlurmCluster:
             except ProcessLookupError:
                 pass
 
+    def revive(self, host: str) -> None:
+        """A killed node back: its ``slurmd`` again, until Slurm shows it idle (a node that was
+        down returns to service when its slurmd registers: ``ReturnToService=2``)."""
+        self._start_slurmd(host)
+        self.run(["scontrol", "update", f"nodename={host}", "state=resume"], check=False)
+        self._wait(self._all_idle, f"{host} did not come back idle", "slurmctld.log", 60)
+
     # -- set-up ------------------------------------------------------------------------------
 
     def __enter__(self) -> SlurmCluster:
@@ -136,11 +143,14 @@ class SlurmCluster:
             self.login, [_which("slurmctld"), "-D", "-i", "-f", str(self.conf), "-L", str(log)]
         )
         for node in self.nodes:
-            log = self.folder / f"slurmd_{node}.log"
-            self.daemons[node] = self._daemon(
-                node, [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf), "-L", str(log)]
-            )
+            self._start_slurmd(node)
         self._wait(self._all_idle, "the nodes did not come up idle", "slurmctld.log", 60)
+
+    def _start_slurmd(self, node: str) -> None:
+        log = self.folder / f"slurmd_{node}.log"
+        self.daemons[node] = self._daemon(
+            node, [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf), "-L", str(log)]
+        )
 
     def _daemon(self, host: str, argv: list[str]) -> subprocess.Popen:
         """``argv`` on ``host``: its network, and a hostname of its own (``unshare --uts``)."""

@@ -110,9 +110,10 @@ def sbatch_lines(request: SlurmRequest, *, name: str, output: Path) -> list[str]
     return [f"#SBATCH {line}" for line in lines]
 
 
-def job_script(request: SlurmRequest, *, name: str, output: Path, program: Sequence[str]) -> str:
-    """The engines' batch script: one engine per task, ``srun`` starting them on every node.
-    Each engine's OpenMP pool gets its share of its node's CPUs, as torchrun gives it."""
+def job_script(request: SlurmRequest, *, name: str, output: Path, program: str) -> str:
+    """The engines' batch script: one engine per task, ``srun`` starting them on every node
+    (``program``: the engine's command line, as the shell reads it). Each engine's OpenMP pool
+    gets its share of its node's CPUs, as torchrun gives it."""
     return "\n".join(
         [
             "#!/bin/sh",
@@ -120,20 +121,19 @@ def job_script(request: SlurmRequest, *, name: str, output: Path, program: Seque
             "# written by nbdist (%distrain start --slurm)",
             f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( (SLURM_CPUS_ON_NODE + '
             f'{request.per_node - 1}) / {request.per_node} ))}}"',
-            f"srun --kill-on-bad-exit=0 --no-kill {shlex.join(program)}",
+            f"srun --kill-on-bad-exit=0 --no-kill {program}",
             "",
         ]
     )
 
 
+PROGRAM = "{program_and_args}"  # where ipyparallel's launcher puts the engine's command line
+
+
 def template(script: str) -> str:
-    """``script`` as an ipyparallel batch template: its formatter fills ``{program_and_args}``
-    (the engine command with its arguments) and would read any other brace."""
-    return (
-        script.replace("{", "{{")
-        .replace("}", "}}")
-        .replace("{{program_and_args}}", "{program_and_args}")
-    )
+    """``script`` as an ipyparallel batch template: its formatter fills :data:`PROGRAM` (the
+    engine's command with the profile and cluster it joins) and would read any other brace."""
+    return script.replace("{", "{{").replace("}", "}}").replace("{" + PROGRAM + "}", PROGRAM)
 
 
 def refusal(stderr: str) -> str:
@@ -292,6 +292,7 @@ class SlurmJobCluster(ConnectedCluster):
         self.request = request
         self.jobs: list[_Job] = []
         self.cancelled: list[str] = []  # the jobs the last stop cancelled
+        self._lost_nodes: list[str] = []  # where the ranks a healing replaces ran
         self._controller: Any = None  # the ipyparallel Cluster that runs the controller
 
     # -- start -----------------------------------------------------------------------------
@@ -329,8 +330,9 @@ class SlurmJobCluster(ConnectedCluster):
         job is queued (a partition or account it does not know, more than the cluster has)."""
         path = self._scripts / "test-only.sh"
         output = self._scripts / "test-only.out"
-        path.write_text(job_script(self.request, name="nbdist-test", output=output,
-                                   program=program))  # fmt: skip
+        path.write_text(
+            job_script(self.request, name="nbdist-test", output=output, program=shlex.join(program))
+        )
         try:
             out = _run(["sbatch", "--test-only", str(path)], timeout=30)
         except subprocess.TimeoutExpired:
@@ -380,7 +382,7 @@ class SlurmJobCluster(ConnectedCluster):
         output = self._scripts / f"job-{len(self.jobs)}-%j.out"
         launcher = cluster.config.SlurmEngineSetLauncher
         launcher.batch_template = template(
-            job_script(request, name=name, output=output, program=program)
+            job_script(request, name=name, output=output, program=PROGRAM)
         )
         launcher.batch_file_name = str(self._scripts / f"job-{len(self.jobs)}.sh")
         # The launcher appends its own arguments to engine_cmd: the profile and the cluster id.
@@ -409,8 +411,9 @@ class SlurmJobCluster(ConnectedCluster):
             if state is None or state.state not in ("PENDING", "CONFIGURING"):
                 if state is None or state.state not in ("RUNNING", "COMPLETING"):
                     raise ClusterError(self._ended(job, state))
+                engines = f"{job.tasks} engines" if job.tasks > 1 else "engine"
                 self._notify(f"nbdist: Slurm job {job.job} RUNNING on {state.nodes}; "
-                             f"waiting for its {job.tasks} engines")  # fmt: skip
+                             f"waiting for its {engines}")  # fmt: skip
                 return
             words = state.words()
             if words not in job.seen:
@@ -465,12 +468,22 @@ class SlurmJobCluster(ConnectedCluster):
         self._reaper.record.write(pids, jobs=[j.job for j in self.jobs])
 
     # -- healing: a new job for the ranks that were lost -----------------------------------
+    def replace_ranks(self, ranks: Sequence[int]) -> bool:
+        """As a connected cluster's, the new engines from a new job that keeps off the nodes
+        the lost ranks ran on (Slurm may not know yet that they are gone)."""
+        self._lost_nodes = sorted(
+            {e.slurm.nodename for r in ranks if (e := self.engines[r]).slurm and e.slurm.nodename}
+        )
+        return super().replace_ranks(ranks)
+
     def _relaunch(self, n: int) -> list[int] | None:
         from nbdist.kernel.local import engine_command
 
         request = self.request
         nodes = max(1, math.ceil(n / request.per_node))
-        smaller = SlurmRequest(**{**request.__dict__, "nodes": nodes})
+        avoid = self._lost_nodes
+        extra = (*request.sbatch, f"--exclude={','.join(avoid)}") if avoid else request.sbatch
+        smaller = SlurmRequest(**{**request.__dict__, "nodes": nodes, "sbatch": extra})
         old = set(self._client.ids)
         try:
             job = self._submit(n, smaller, engine_command())

@@ -340,3 +340,70 @@ def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, k
     same = _ok(kernel.run("%distrain compare model"))["value"]
     assert same == "model: identical on 2 ranks (4 entries)", same
     _ok(kernel.run("%distrain stop"))
+
+
+def test_a_node_lost_mid_cell_is_named_and_slurm_gives_a_new_engine(slurm, kernel, tmp_path):
+    """Node b dies in the middle of a cell (its slurmd and every process on it killed): its
+    rank is named with the host within seconds, and the session heals with an engine from a new
+    Slurm job, on the node that is left; the job that lost a node goes on (--no-kill)."""
+    a, b = slurm.nodes
+    _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
+    _ok(kernel.run(f"%%distrain --framework torch --no-plot --timeout 60\n{BUILD}"))
+    first, running = cell_started(tmp_path, 2)
+    long_cell = "import time\nfor step in range(100000):\n" + textwrap.indent(TRAIN, "    ")
+    long_cell += "    time.sleep(0.01)\n"
+    kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
+    wait_until(lambda: all(p.exists() for p in running), 60)
+    t = time.monotonic()
+    slurm.kill_node(b)
+    try:
+        _heals(slurm, kernel, t)
+    finally:
+        slurm.revive(b)
+
+
+def _heals(slurm, kernel, t):
+    a, b = slurm.nodes
+    lost = kernel.result()
+    assert lost["error"] is not None, lost
+    text = lost["out"] + lost["rendered"]
+    assert f"rank 1 (host {b}, pid " in text, text
+    assert (
+        f"stopped answering during the job: the controller lost its heartbeat (died, or {b} "
+        "unreachable)"
+    ) in text, text
+    assert "The session was healed: a new engine took rank 1" in text, text
+    took = time.monotonic() - t
+    print(f"node lost -> cell ended, healed: {took:.1f} s")
+    assert took < 60, text
+    _ok(kernel.run(f"%%distrain --no-plot -o who\n{WHO}"))
+    hosts = [w[0] for w in eval(_ok(kernel.run("who.values"))["value"])]
+    assert hosts == [a, a], hosts
+    _ok(kernel.run(f"%%distrain --no-plot\n{TRAIN}"))
+    same = _ok(kernel.run("%distrain compare model"))["value"]
+    assert same == "model: identical on 2 ranks (4 entries)", same
+    status = _ok(kernel.run("%distrain status"))["out"]
+    assert len(re.findall(r"^Slurm job \d+: nodes ", status, re.M)) == 2, status
+    _ok(kernel.run("%distrain stop"))
+
+
+@pytest.mark.tf
+def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
+    """TensorFlow's MultiWorkerMirroredStrategy on a Slurm job's engines, one per node: the
+    workers train one Keras model in sync (every worker's weights the same)."""
+    _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
+    cell = textwrap.dedent(
+        """
+        import numpy as np, keras
+        with strategy.scope():
+            tf_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            tf_model.compile(optimizer="sgd", loss="mse")
+        data = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        tf_model.fit(data, data.sum(1), batch_size=64, epochs=2, verbose=0)
+        [round(float(w.sum()), 6) for w in tf_model.get_weights()]
+        """
+    )
+    _ok(kernel.run(f"%%distrain --framework tf --no-plot --expose-tf -o tfres\n{cell}"))
+    values = eval(_ok(kernel.run("tfres.values"))["value"])
+    assert len(values) == 2 and values[0] == values[1], values
+    _ok(kernel.run("%distrain stop"))
