@@ -6,7 +6,8 @@ reaper is a small child process started with the cluster, in its own session so 
 death does not take it along. It watches the kernel, by PID *and* start time (a recycled PID is
 not the kernel); when the kernel is gone it kills the process trees listed in the run record
 (:mod:`nbdist.kernel.runfiles`), each only if its start time still matches, and cancels the
-Slurm jobs it lists (``scancel``: an allocation left running would burn the user's hours). When
+Slurm jobs it lists (``scancel``: an allocation left running would burn the user's hours), and
+removes their folder. When
 the cluster is stopped normally the record is removed and the reaper exits.
 
     python -m nbdist.kernel.reaper RECORD   (nbdist starts it with -c, see runfiles.Reaper)
@@ -15,6 +16,7 @@ the cluster is stopped normally the record is removed and the reaper exits.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,7 +43,10 @@ def watch(record: str) -> None:
             if not same_process(kernel):
                 for proc in procs:
                     kill_tree(proc)
-                cancel_jobs(record_jobs(text))
+                jobs, folder = record_jobs(text)
+                cancel_jobs(jobs)
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
                 remove_record(record, logs=not keep_logs())
                 return
         time.sleep(POLL_S)

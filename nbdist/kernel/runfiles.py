@@ -64,7 +64,7 @@ def longest_socket_path(folder: Path) -> int:
     return len(os.fsencode(folder / "nbdist-4194304-abcdefgh.ipc" / "s:65535"))
 
 
-def _private(path: Path) -> Path:
+def private_dir(path: Path) -> Path:
     """``path`` as a directory this user owns that nobody else can enter (made 0700 if missing)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(path)
@@ -105,7 +105,7 @@ def run_dir() -> Path:
             )
             continue
         try:
-            return _private(path)
+            return private_dir(path)
         except OSError as e:
             reasons.append(f"{path}: {e}")
     raise ClusterError(
@@ -249,13 +249,16 @@ def read_trusted(path: str | Path) -> str | None:
         os.close(fd)
 
 
-def record_jobs(text: str) -> list[str]:
-    """The Slurm jobs a record names (none in a record of a version that wrote none)."""
+def record_jobs(text: str) -> tuple[list[str], str | None]:
+    """The Slurm jobs a record names, and the folder of theirs to remove (none in a record of
+    a version that wrote none)."""
     try:
-        jobs = json.loads(text).get("jobs", [])
+        data = json.loads(text)
+        jobs, folder = data.get("jobs", []), data.get("folder")
     except (ValueError, AttributeError):
-        return []
-    return [str(j) for j in jobs if str(j).isdigit()] if isinstance(jobs, list) else []
+        return [], None
+    jobs = [str(j) for j in jobs if str(j).isdigit()] if isinstance(jobs, list) else []
+    return jobs, folder if isinstance(folder, str) and os.path.isabs(folder) else None
 
 
 def parse_record(text: str) -> tuple[Proc, list[Proc]] | None:
@@ -292,11 +295,19 @@ class RunRecord:
         self.path = Path(name)
         self.procs: list[Proc] = []
         self.jobs: list[str] = []
+        self.folder: str | None = None  # a folder of the cluster's own, removed with it
         self.write([])
 
-    def write(self, pids: Iterable[int | None], *, jobs: Iterable[str] | None = None) -> None:
+    def write(
+        self,
+        pids: Iterable[int | None],
+        *,
+        jobs: Iterable[str] | None = None,
+        folder: str | None = None,
+    ) -> None:
         """Record exactly ``pids`` (those still running) as the cluster's processes, and
-        ``jobs``, the batch jobs (Slurm's) to cancel with them (unchanged when None).
+        ``jobs``, the batch jobs (Slurm's) to cancel with them, and ``folder``, where their
+        files are (each unchanged when None).
 
         A PID recorded before keeps the start it was recorded with, and is dropped when
         that process is gone: a dead engine's PID, reused by another process (PIDs wrap at
@@ -317,7 +328,10 @@ class RunRecord:
         self.procs = procs
         if jobs is not None:
             self.jobs = [str(j) for j in jobs]
+        self.folder = folder or self.folder
         record = {"kernel": self.kernel, "boot": self.boot, "started": procs, "jobs": self.jobs}
+        if self.folder:
+            record["folder"] = self.folder
         write_atomic(self.path, json.dumps(record))
 
     @property

@@ -8,9 +8,10 @@ Slurm launcher submit the job. While the job is pending its state is shown as ``
 it; once its engines have registered they become the workers, ranked as Slurm numbers its tasks.
 
 The job is nbdist's to end: ``%distrain stop``, the kernel's exit (an exit handler) and a
-kernel killed outright (the reaper, from the run record) all cancel it. The job's output (what
-the engines print before they register, srun's errors) goes to a file in nbdist's private run
-folder, quoted when the job ends before its engines come.
+kernel killed outright (the reaper, from the run record) all cancel it. The job's script, its
+output (what the engines print before they register, srun's errors: quoted when the job ends
+before its engines come) and the engines' profile folder go into a private folder in the home
+folder (``~/.nbdist/slurm``), which the nodes see too, removed at the stop.
 
 Plain functions (the script, the parsing of Slurm's answers) are kept apart from
 :class:`SlurmJobCluster`, which runs them.
@@ -250,6 +251,16 @@ def controller_ip(request: SlurmRequest) -> str:
     return reachable_address(address)
 
 
+def job_folder() -> Path:
+    """Where a job's script, profile and output go: a private folder in the home folder, which
+    the nodes share with the login node as a rule. Not nbdist's run folder: ``XDG_RUNTIME_DIR``
+    exists on the login node only, and the job's output file and the engines' profile folder
+    must open on the nodes."""
+    from nbdist.kernel.runfiles import private_dir
+
+    return private_dir(Path.home() / ".nbdist" / "slurm")
+
+
 def job_notes(engines: Sequence[EngineInfo]) -> list[str]:
     """``%distrain status`` lines on the Slurm jobs the engines run in: state, nodes, time
     left (as ``squeue`` gives them now)."""
@@ -310,7 +321,7 @@ class SlurmJobCluster(ConnectedCluster):
                 "Slurm's commands are (a login node of the cluster), or put their folder on "
                 "PATH (os.environ['PATH'])."
             )
-        self._scripts = Path(tempfile.mkdtemp(prefix="nbdist-slurm-", dir=run_dir()))
+        self._scripts = Path(tempfile.mkdtemp(prefix="job-", dir=job_folder()))
         try:
             self._judge(engine_command())
             ip = controller_ip(request)
@@ -465,7 +476,9 @@ class SlurmJobCluster(ConnectedCluster):
         controller = getattr(self._controller, "controller", None)
         if controller is not None and getattr(controller, "pid", None):
             pids.append(controller.pid)
-        self._reaper.record.write(pids, jobs=[j.job for j in self.jobs])
+        self._reaper.record.write(
+            pids, jobs=[j.job for j in self.jobs], folder=str(self._scripts)
+        )
 
     # -- healing: a new job for the ranks that were lost -----------------------------------
     def replace_ranks(self, ranks: Sequence[int]) -> bool:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -279,6 +280,8 @@ def test_no_sbatch_on_path_and_a_job_pending_past_its_timeout(slurm, kernel):
 def test_a_kernel_that_ends_leaves_no_allocation(slurm, how):
     """The kernel's exit cancels the job (its exit handler); a kernel killed with -9 too (the
     reaper, from the run record). squeue is empty within 20 s."""
+    folder = Path.home() / ".nbdist" / "slurm"
+    before = set(folder.iterdir()) if folder.exists() else set()
     k = _kernel(slurm)
     try:
         _ok(k.run("%distrain start --slurm --nodes 2 --per-node 1 --time 5"))
@@ -290,6 +293,7 @@ def test_a_kernel_that_ends_leaves_no_allocation(slurm, how):
             k.close()
     assert slurm.wait_no_jobs(20) == []
     assert not [p for h in slurm.nodes for p in slurm.hosts.pids(h) if _is_engine(p)]
+    assert wait_until(lambda: set(folder.iterdir()) <= before, 10), list(folder.iterdir())
 
 
 def _is_engine(pid: int) -> bool:

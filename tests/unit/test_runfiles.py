@@ -284,6 +284,7 @@ def test_run_record_is_private_and_atomic(tmp_path, sleepers):
         "kernel": [os.getpid(), _ct(os.getpid())],
         "boot": _boot(),
         "started": [[proc.pid, _ct(proc.pid)]],
+        "jobs": [],
     }
     assert [p.name for p in tmp_path.iterdir()] == [record.path.name]  # no temporary left
     assert record.path.name.startswith(f"nbdist-{os.getpid()}-")

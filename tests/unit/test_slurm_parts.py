@@ -130,9 +130,11 @@ def test_ranks_follow_slurms_task_numbers_whatever_the_engine_ids():
 
 
 def test_a_run_record_names_the_jobs_the_reaper_cancels():
-    assert record_jobs('{"kernel": [1, 2.0], "started": [], "jobs": ["12", "13"]}') == ["12", "13"]
-    assert record_jobs('{"kernel": [1, 2.0], "started": []}') == []
-    assert record_jobs('{"jobs": ["12; rm -rf ~"]}') == []
+    assert record_jobs('{"started": [], "jobs": ["12", "13"], "folder": "/h/.nbdist/slurm/j"}') == (
+        ["12", "13"], "/h/.nbdist/slurm/j"
+    )
+    assert record_jobs('{"kernel": [1, 2.0], "started": []}') == ([], None)
+    assert record_jobs('{"jobs": ["12; rm -rf ~"], "folder": "relative"}') == ([], None)
 
 
 def test_the_exports_slurm_header():
