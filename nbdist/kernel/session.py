@@ -229,6 +229,29 @@ class Session:
                 "again, on the new job's group"
             )
 
+    def _before_time_limit(self) -> None:
+        """A cell asked for within ``--warn`` of the Slurm job's time limit (its warning came
+        between cells, or is near): the session goes to the notebook first, and the cell does
+        not start on a job about to end."""
+        from nbdist.kernel.slurm import SlurmJobCluster
+
+        cluster = self.cluster
+        if not isinstance(cluster, SlurmJobCluster) or (near := cluster.near_end()) is None:
+            return
+        saved = ""
+        if self.carried is None and self.variables and self.framework == "torch":
+            self.carried = healing.carry_out(cluster, "torch", self.imports())
+            self.rendezvous.pop("torch", None)
+            saved = f"{self.carried.text()}; "
+        elif self.carried is not None:
+            saved = "the session's variables are saved in the notebook; "
+        saved = saved[:1].upper() + saved[1:]
+        raise UsageError(
+            f"%%distrain: {near}, its time limit: the cell did not start. {saved}"
+            f"%distrain start --slurm {cluster.request.words()} "
+            + ("goes on with them on a new job." if saved else "starts a new job.")
+        )
+
     def _keep_for_next_job(self, error: Any, framework: str) -> None:
         """A cell stopped by the Slurm job's time-limit warning: the session's variables come
         to the notebook, for the next ``%distrain start --slurm`` (torch only)."""
@@ -441,6 +464,7 @@ class Session:
     ) -> tuple[DistrainResult, Any]:
         """One cell, and its outcome applied to the session."""
         self.ready()
+        self._before_time_limit()
         done = Cell(self, opts, source, tree, user_ns, cell).run()
         if done.state in (SessionState.DROPPED, SessionState.REPLACED, SessionState.STOPPED):
             self.forget()

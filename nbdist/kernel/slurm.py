@@ -304,6 +304,7 @@ class SlurmJobCluster(ConnectedCluster):
         self.jobs: list[_Job] = []
         self.cancelled: list[str] = []  # the jobs the last stop cancelled
         self._lost_nodes: list[str] = []  # where the ranks a healing replaces ran
+        self._ends: float | None = None  # when the job's time limit ends it (monotonic clock)
         self._controller: Any = None  # the ipyparallel Cluster that runs the controller
 
     # -- start -----------------------------------------------------------------------------
@@ -328,7 +329,9 @@ class SlurmJobCluster(ConnectedCluster):
             before()
             self._start_controller(ip)
             job = self._submit(request.tasks, request, engine_command())
-            self._wait_running(job, request.timeout)
+            running = self._wait_running(job, request.timeout)
+            left = seconds(running.left)
+            self._ends = None if left is None else time.monotonic() + left
             new = self._wait_engines(job, set(), SETUP_TIMEOUT_S)
             self._learn_engines(new, timeout=SETUP_TIMEOUT_S)
         except BaseException:
@@ -413,8 +416,8 @@ class SlurmJobCluster(ConnectedCluster):
         )
         return job
 
-    def _wait_running(self, job: _Job, timeout: float) -> None:
-        """Show the job's state while it waits; return once it runs. A job still pending after
+    def _wait_running(self, job: _Job, timeout: float) -> JobState:
+        """Show the job's state while it waits; its state once it runs. A job still pending after
         ``timeout`` seconds is cancelled; one that ended is an error with its output."""
         deadline = time.monotonic() + timeout
         while True:
@@ -425,7 +428,7 @@ class SlurmJobCluster(ConnectedCluster):
                 engines = f"{job.tasks} engines" if job.tasks > 1 else "engine"
                 self._notify(f"nbdist: Slurm job {job.job} RUNNING on {state.nodes}; "
                              f"waiting for its {engines}")  # fmt: skip
-                return
+                return state
             words = state.words()
             if words not in job.seen:
                 job.seen.append(words)
@@ -525,12 +528,16 @@ class SlurmJobCluster(ConnectedCluster):
         left = f": {state.left} left of its {state.limit}" if state is not None else ""
         return f"the time-limit warning of Slurm job {job}{left}"
 
-    def time_left(self) -> int | None:
-        """Seconds left of the first job's time limit (None: unlimited, or not known)."""
-        if not self.jobs:
+    def near_end(self) -> str | None:
+        """Within ``--warn`` seconds of the job's time limit (read once, at its start: no
+        squeue per cell), the job and what is left in words; else None."""
+        if self._ends is None or not self.jobs:
             return None
-        state = job_state(self.jobs[0].job)
-        return seconds(state.left) if state is not None else None
+        left = self._ends - time.monotonic()
+        if left > self.request.warn:
+            return None
+        left = max(0, int(left))
+        return f"Slurm job {self.jobs[0].job} ends in {left // 60}:{left % 60:02d}"
 
     # -- stop ------------------------------------------------------------------------------
     def left_text(self) -> str:

@@ -330,7 +330,9 @@ def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, k
     assert "were saved in the notebook" in text, text
     checksum = _ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"]
 
-    moved = _ok(kernel.run(start))["out"]
+    moved = _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 2 --warn 100"))
+    moved = moved["out"]
+    started_at = time.monotonic()
     assert f"nbdist: Slurm job {job} cancelled" not in moved  # said once, by the stop below
     new_job = re.search(r"Slurm job (\d+) submitted", moved).group(1)
     assert new_job != job
@@ -343,6 +345,21 @@ def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, k
     _ok(kernel.run(f"%%distrain --no-plot\n{TRAIN}"))
     same = _ok(kernel.run("%distrain compare model"))["value"]
     assert same == "model: identical on 2 ranks (4 entries)", same
+    trained = _ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"]
+
+    # Within --warn of the limit (at most 2:00 left when the start returned), between cells:
+    # the session is saved first, and the cell does not start.
+    time.sleep(max(0.0, started_at + 21 - time.monotonic()))
+    late = kernel.run(f"%%distrain --no-plot\n{TRAIN}")
+    assert late["error"] == "UsageError", late
+    assert re.search(
+        rf"%%distrain: Slurm job {new_job} ends in 1:\d\d, its time limit: the cell did not "
+        r"start. The session's variables \(.*model.*\) were saved in the notebook; %distrain "
+        r"start --slurm --nodes 2 --per-node 1 --time 2 --warn 100 goes on with them on a new "
+        "job.", late["rendered"],
+    ), late["rendered"]  # fmt: skip
+    _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
+    assert _ok(kernel.run(f"%%distrain --no-plot\n{CHECKSUM}"))["value"] == trained
     _ok(kernel.run("%distrain stop"))
 
 
