@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     magics = shell.magics_manager.registry["DistrainMagics"]
     sink = io.StringIO()
     times: dict[str, list[float]] = {v: [] for v in variants}
+    # Where a %%distrain cell's time goes, per phase (nbdist.kernel.phases): each phase's median.
+    phases: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
     try:
         with contextlib.redirect_stdout(sink):
             shell.run_cell_magic("distrain", "-n 2 --framework torch", "pass\n")
@@ -80,10 +82,18 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     for _ in range(a.cells):
                         shell.run_cell_magic(magic, line, cell)
+                        if magic == "distrain":
+                            for name, t in magics.session.phases.times.items():
+                                phases[variant].setdefault(name, []).append(t)
                     times[variant].append((time.perf_counter() - start) / a.cells)
     finally:
         shell.run_line_magic("unload_ext", "nbdist")
     med = {v: statistics.median(ts) * 1000 for v, ts in times.items()}
+    phase_ms = {
+        v: {name: statistics.median(ts) * 1000 for name, ts in by.items()}
+        for v, by in phases.items()
+        if by
+    }
     result = {
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "rounds": a.rounds,
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_ms": med,
         f"ratio_to_{first}": {v: med[v] / med[first] for v in variants},
         f"ms_over_{first}": {v: med[v] - med[first] for v in variants},
+        "phases_median_ms": phase_ms,
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{a.suite}_cell.json").write_text(json.dumps(result, indent=2))
@@ -106,6 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         f"| `{v}` | {med[v]:.1f} | {med[v] / med[first]:.2f} | {med[v] - med[first]:+.0f} |"
         for v in variants
     ]
+    if phase_ms:
+        names = list(next(iter(phase_ms.values())))
+        lines += [
+            "",
+            "Where a `%%distrain` cell's time goes in the kernel (median ms per phase; `engine`: "
+            "the slowest rank's own time in its task, within `watch`):",
+            "",
+            "| variant | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        lines += [
+            f"| `{v}` | " + " | ".join(f"{by.get(n, 0.0):.2f}" for n in names) + " |"
+            for v, by in phase_ms.items()
+        ]
     (OUT / f"{a.suite}_cell.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

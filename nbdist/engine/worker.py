@@ -232,8 +232,9 @@ def run_rank(spec: RankSpec) -> RankReport:
             recorder.close()
             if spec.fresh:
                 namespace.clear()
-            sys.stdout.flush()
-            sys.stderr.flush()
+            # No flush of stdout and stderr here: ipyparallel's apply_request flushes both
+            # after this returns and before it sends the reply (each flush waits for the IO
+            # thread: two more of them cost a short cell 0.4 ms).
     if spec.profile:
         report.profile = profiling.take()
     report.names = [] if spec.fresh else sorted(user_variables(namespace))

@@ -122,12 +122,17 @@ class Cell:
     def run(self) -> CellOutcome:
         plan = self.plan()
         job = self.submit(plan)
+        phases = self.session.phases
+        phases.mark("plan")
         try:
-            outcome = job.watch_until_done()
+            outcome = job.watch_until_done(phases)
             if outcome.lost:
                 self.give_up_lost(outcome, plan.framework)
             job.finish(outcome)
             state, dropped = self.settle(outcome, plan.framework)
+            phases.mark("settle")
+            if outcome.reports:
+                phases.note("engine", max(r.wall for r in outcome.reports.values()))
             return self.result(outcome, plan, state, dropped)
         except KeyboardInterrupt:
             # An interrupt outside the watch loop's own handling (a second one while the ranks
@@ -143,10 +148,12 @@ class Cell:
         framework = prepare.choose_framework(self.tree, opts, session.framework)
         prepare.check_flags(opts, framework)
         push, packed = prepare.check_push(opts.push, self.user_ns)
+        session.phases.mark("plan")
         if opts.check:
             session.report_findings(
                 source, opts.workers or self.cluster.size or None, cell=self.name
             )
+        session.phases.mark("checker")
         options = prepare.backend_options(opts)
         cluster = self.cluster
         if opts.workers is not None or not cluster.running:  # known before touching the cluster

@@ -12,6 +12,7 @@ import ast
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from nbdist.protocol import CellName
 
@@ -654,10 +655,21 @@ def _definitions(
     """Functions (and methods) the earlier cells define, by name, each with where (``Cell
     In[7]``, its lines as the editor shows them, where the cell's name is known); a later
     definition wins."""
-    defs: dict[str, tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]] = {}
-    for i, source in enumerate(sources):
-        defs.update(_cell_functions(source, cells[i] if i < len(cells) else None))
-    return defs
+    global _last_definitions
+    start, defs = 0, {}
+    if _last_definitions is not None:  # the session's cells as last time, and more: go on
+        known, named, merged = _last_definitions
+        if sources[: len(known)] == known and cells[: len(named)] == named:
+            start, defs = len(known), dict(merged)
+    for i in range(start, len(sources)):
+        defs.update(_cell_functions(sources[i], cells[i] if i < len(cells) else None))
+    _last_definitions = (sources, cells, defs)
+    return dict(defs)
+
+
+# The last _definitions: a session's earlier cells only grow, so each cell merges only the
+# cells added since (merging them all each time grew with the session).
+_last_definitions: tuple[tuple[str, ...], tuple[CellName, ...], dict[str, Any]] | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -675,6 +687,24 @@ def _cell_functions(
         ast.increment_lineno(tree, cell.first_line - 1)
     where = cell.label if cell is not None and cell.count is not None else "an earlier cell"
     return {fn.name: (fn, where) for fn in _functions(tree)}
+
+
+@functools.lru_cache(maxsize=256)
+def _cell_findings(
+    source: str, world_size: int, gpus: int, first_line: int
+) -> tuple[ast.Module, tuple[Finding, ...]] | None:
+    """The cell's tree (lines as the editor shows them) and what ``RULES`` find in it, once per
+    cell text and job shape: a cell run again (the usual way of a notebook) is not read again.
+    None for a cell that does not parse. The rules only read the tree, and only the context's
+    ``world_size`` and ``gpus``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    if first_line != 1:  # every line said as the editor shows it, the messages' too
+        ast.increment_lineno(tree, first_line - 1)
+    ctx = CheckContext(world_size=world_size, gpus=gpus)
+    return tree, tuple(f for rule in RULES for f in rule(tree, ctx))
 
 
 def _reached(
@@ -705,14 +735,13 @@ def check_source(source: str, context: CheckContext | None = None) -> list[Findi
     rules about calls (``CALL_RULES``); their findings name the function and point at the
     cell line that calls it.
     """
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
     ctx = context or CheckContext()
-    if ctx.cell is not None:  # every line said as the editor shows it, the messages' too
-        ast.increment_lineno(tree, ctx.cell.first_line - 1)
-    findings = [f for rule in RULES for f in rule(tree, ctx)]
+    first_line = ctx.cell.first_line if ctx.cell is not None else 1
+    checked = _cell_findings(source, ctx.world_size, ctx.gpus, first_line)
+    if checked is None:
+        return []
+    tree, found = checked
+    findings = list(found)
     for fn, where, call in _reached(tree, _definitions(ctx.earlier, ctx.earlier_cells)):
         body = ast.Module(body=[fn], type_ignores=[])
         for rule in CALL_RULES:

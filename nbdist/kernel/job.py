@@ -40,6 +40,7 @@ from nbdist.errors import RankFailure
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream, Rounds
+from nbdist.kernel.phases import Phases
 from nbdist.kernel.relay import OutputRelay
 from nbdist.kernel.watch import IDLE_CPU_SHARE, Watch
 from nbdist.protocol import (
@@ -152,11 +153,14 @@ class Job:
         self._stop_step: int | None = None  # the step the ranks agreed to stop after
         self._stop_wait = GRACEFUL_WAIT_S  # how long the graceful stop may take
 
-    def watch_until_done(self) -> Outcome:
+    def watch_until_done(self, phases: Phases | None = None) -> Outcome:
         """Submit every rank's task and watch them until each is done (or stopped); the
-        ranks that died or had to be killed are in the outcome's ``lost``."""
+        ranks that died or had to be killed are in the outcome's ``lost``. ``phases``: where
+        the time goes (memory, submit, watch, settle)."""
+        phases = phases or Phases()
         start = time.monotonic()
         self.cluster.note_memory()
+        phases.mark("memory")
         # An --on cell: the ranks it leaves out still take part in setting up the group (a
         # first init_process_group, or a new strategy, needs every rank).
         self._joining = [
@@ -164,6 +168,7 @@ class Job:
         ]
         ars = [self.cluster.apply_async(s.rank, worker.run_rank, s) for s in self.specs]
         self.ars = ars
+        phases.mark("submit")
         backend = backends.load(self.framework)
         release = backend.peer_release_s(self.specs[0].options)
         self._release_s = release
@@ -174,6 +179,7 @@ class Job:
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
         self._watch(ars, start, release)
+        phases.mark("watch")
         wall = time.monotonic() - start
         watch = self.watch
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.

@@ -479,7 +479,9 @@ class DistrainMagics(Magics):
         auto, self._auto_cell = self._auto_cell, False
         if cell is None:
             return self._subcommand(line)
+        self.session.phases.start()
         opts = parse_run_options(line)
+        self.session.phases.mark("options")
         # Named as IPython names the cell (In [12]), its lines as the editor shows them: the
         # %%distrain line is line 1, but in a cell auto mode sends, which has none.
         count = self.shell.execution_count if self._cell_count is None else self._cell_count

@@ -36,13 +36,20 @@ class MemoryWatch:
         self._seen: dict[int, _Seen] = {}
 
     def note(self, pids: Iterable[int]) -> None:
-        """Note (again) where the running engines ``pids`` are; a gone PID is skipped."""
+        """Note (again) where the running engines ``pids`` are, and their cgroups' OOM-kill
+        counts; a gone PID is skipped. At every job's start, so cheap: an engine's cgroup is
+        looked up once (a process stays in the cgroup it started in), and a count shared by
+        several engines (one cgroup, as a rule) is read once."""
         now = _uptime()
+        kills: dict[Path | None, int] = {}
         for pid in pids:
-            counter = memory_counter(pid)
-            if counter is None and pid in self._seen:
-                continue  # already gone: keep what was seen while it ran
-            self._seen[pid] = _Seen(counter, _oom_kills(counter), now)
+            seen = self._seen.get(pid)
+            counter = seen.counter if seen is not None else memory_counter(pid)
+            if seen is not None and (counter is None or not _alive(pid)):
+                continue  # no cgroup to read, or already gone: keep what was seen while it ran
+            if counter not in kills:
+                kills[counter] = _oom_kills(counter)
+            self._seen[pid] = _Seen(counter, kills[counter], now)
 
     def cause(self, pid: int) -> str:
         """Why ``pid`` (killed by SIGKILL) died, when the kernel says it was out of memory;
@@ -84,6 +91,18 @@ def memory_counter(pid: int) -> Path | None:
                 if found.exists():
                     return found
     return None
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _oom_kills(counter: Path | None) -> int:

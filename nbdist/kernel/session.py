@@ -33,6 +33,7 @@ from nbdist.kernel.engines import DEAD_ADVICE, HEAL_ADVICE
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.local import LocalCluster, default_workers
 from nbdist.kernel.options import RunOptions
+from nbdist.kernel.phases import Phases
 from nbdist.kernel.prepare import Rendezvous
 from nbdist.kernel.prestart import Prestart
 from nbdist.kernel.relay import without_addresses
@@ -71,6 +72,7 @@ class Session:
         self.rendezvous: dict[str, Rendezvous] = {}  # each framework's live one
         self.exposure_told = False  # --expose-tf's notice shown for these workers
         self.variables: list[str] = []  # what the workers hold, as of the last cell
+        self.phases = Phases()  # where the last cell's time went
         self.carried: healing.Carried | None = None  # saved at a Slurm job's time limit
         self.heal_lost = True  # %distrain heal off: a lost rank takes the variables with it
         self.cells: list[CellRecord] = []  # the cells that built it, for %distrain export
@@ -499,7 +501,9 @@ class Session:
         if done.pull_error is not None:
             raise UsageError(f"%%distrain: {done.pull_error} (the cell itself ran).")
         user_ns.update(done.pulled)
-        return done.result, shown_value(done.result)
+        shown = shown_value(done.result)
+        self.phases.mark("result")
+        return done.result, shown
 
 
 def _nodes(engines: Any) -> tuple[tuple[str, str, str | None, int], ...]:
