@@ -334,6 +334,14 @@ class SlurmJobCluster(ConnectedCluster):
             self._ends = None if left is None else time.monotonic() + left
             new = self._wait_engines(job, set(), SETUP_TIMEOUT_S)
             self._learn_engines(new, timeout=SETUP_TIMEOUT_S)
+        except KeyboardInterrupt:
+            jobs = [j.job for j in self.jobs]
+            self.stop(note=None)
+            raise ClusterError(
+                "%distrain start --slurm was interrupted"
+                + (f": Slurm job {', '.join(jobs)} cancelled" if jobs else "")
+                + ", nothing is left queued or running."
+            ) from None
         except BaseException:
             self.stop(note=None)
             raise
@@ -511,8 +519,35 @@ class SlurmJobCluster(ConnectedCluster):
         return new
 
     # -- what the user reads and types -----------------------------------------------------
+    def restart(self, n: int | None = None) -> None:
+        """``%distrain restart``: the job cancelled, and the same request submitted again."""
+        if n is not None and n != self.request.tasks:
+            from IPython.core.error import UsageError
+
+            raise UsageError(
+                f"%distrain restart -n {n}: the Slurm job's workers are --nodes × --per-node "
+                f"({self.request.tasks}); %distrain start --slurm --nodes N --per-node K asks "
+                "for another shape"
+            )
+        self.stop(note="the Slurm job was cancelled for a new one")
+        self.start_job()
+
+    def ensure(self, n: int | None, *, note: str | None = None) -> None:
+        if n is not None and n > self.size and not self.stale:
+            from IPython.core.error import UsageError
+
+            raise UsageError(
+                f"%%distrain: -n {n}, but the Slurm job has {self.size} engines. Use -n "
+                f"{self.size} or fewer, or ask Slurm for more: %distrain start --slurm --nodes N "
+                "--per-node K"
+            )
+        super().ensure(n, note=note)
+
     def restart_text(self) -> str:
-        return f"Start a new job with %distrain start --slurm {self.request.words()}."
+        return (
+            "%distrain restart submits the same job again (or %distrain start --slurm "
+            f"{self.request.words()})."
+        )
 
     def not_ours(self, why: str | None = None) -> str:
         return f"the workers need a restart{f' ({why})' if why else ''}. {self.restart_text()}"

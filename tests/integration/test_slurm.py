@@ -412,7 +412,8 @@ def _heals(slurm, kernel, t):
 def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
     """TensorFlow's MultiWorkerMirroredStrategy on a Slurm job's engines, one per node: the
     workers train one Keras model in sync (every worker's weights the same)."""
-    _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
+    first = _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))["out"]
+    job = re.search(r"Slurm job (\d+) submitted", first).group(1)
     cell = textwrap.dedent(
         """
         import numpy as np, keras
@@ -427,4 +428,15 @@ def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
     _ok(kernel.run(f"%%distrain --framework tf --no-plot --expose-tf -o tfres\n{cell}"))
     values = eval(_ok(kernel.run("tfres.values"))["value"])
     assert len(values) == 2 and values[0] == values[1], values
+    # %distrain restart: the job cancelled, the same request submitted again.
+    refused = kernel.run("%distrain restart -n 4")
+    assert refused["error"] == "UsageError", refused
+    assert "are --nodes × --per-node (2)" in refused["rendered"]
+    again = _ok(kernel.run("%distrain restart"))["out"]
+    new_job = re.search(r"nbdist: Slurm job (\d+) submitted: 2 nodes × 1 engine, time 10", again)
+    assert new_job and new_job.group(1) != job, again
+    assert [line.split()[0] for line in slurm.jobs()] == [new_job.group(1)]
+    too_many = kernel.run("%%distrain -n 3\nrank")
+    assert too_many["error"] == "UsageError", too_many
+    assert "-n 3, but the Slurm job has 2 engines" in too_many["rendered"]
     _ok(kernel.run("%distrain stop"))
