@@ -14,6 +14,7 @@ is in ``../shared/NOTES.md`` (``nsenter`` rather than ``ip netns exec`` for slur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -109,12 +110,11 @@ class SlurmCluster:
     # -- set-up ------------------------------------------------------------------------------
 
     def __enter__(self) -> SlurmCluster:
-        try:
+        with contextlib.ExitStack() as undo:  # whatever was started goes if a step fails
+            undo.callback(self.close)
             self.hosts._make()
             self._start()
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -304,20 +304,26 @@ def _is_engine(pid: int) -> bool:
         return False
 
 
-def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, kernel, tmp_path):
-    """Slurm's warning before the time limit (the job asks for it with --signal=USR1@WARN; sent
-    here with scancel -s USR1 as slurmctld sends it, to every step's tasks) stops the running
-    cell at a step boundary and names the job's limit; the session comes to the notebook, and
-    the next ``start --slurm`` gives it to the new job's ranks, the old job cancelled."""
-    start = "%distrain start --slurm --nodes 2 --per-node 1 --time 10"
-    first_job = _ok(kernel.run(start))["out"]
-    job = re.search(r"Slurm job (\d+) submitted", first_job).group(1)
+def _training_on_two_nodes(kernel, tmp_path) -> str:
+    """A Slurm job of one engine on each node, a DDP model built, and a long training cell
+    sent, running on both ranks when this returns; the job's id."""
+    started = _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
+    job = re.search(r"Slurm job (\d+) submitted", started["out"]).group(1)
     _ok(kernel.run(f"%%distrain --framework torch --no-plot --timeout 60\n{BUILD}"))
     first, running = cell_started(tmp_path, 2)
     long_cell = "import time\nfor step in range(100000):\n" + textwrap.indent(TRAIN, "    ")
     long_cell += "    time.sleep(0.01)\n"
     kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
-    wait_until(lambda: all(p.exists() for p in running), 60)
+    assert wait_until(lambda: all(p.exists() for p in running), 60)
+    return job
+
+
+def test_the_time_limit_warning_stops_the_cell_and_the_next_job_goes_on(slurm, kernel, tmp_path):
+    """Slurm's warning before the time limit (the job asks for it with --signal=USR1@WARN; sent
+    here with scancel -s USR1 as slurmctld sends it, to every step's tasks) stops the running
+    cell at a step boundary and names the job's limit; the session comes to the notebook, and
+    the next ``start --slurm`` gives it to the new job's ranks, the old job cancelled."""
+    job = _training_on_two_nodes(kernel, tmp_path)
     time.sleep(1)
     slurm.run(["scancel", "-s", "USR1", job])
     stopped = kernel.result()
@@ -368,13 +374,7 @@ def test_a_node_lost_mid_cell_is_named_and_slurm_gives_a_new_engine(slurm, kerne
     rank is named with the host within seconds, and the session heals with an engine from a new
     Slurm job, on the node that is left; the job that lost a node goes on (--no-kill)."""
     a, b = slurm.nodes
-    _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))
-    _ok(kernel.run(f"%%distrain --framework torch --no-plot --timeout 60\n{BUILD}"))
-    first, running = cell_started(tmp_path, 2)
-    long_cell = "import time\nfor step in range(100000):\n" + textwrap.indent(TRAIN, "    ")
-    long_cell += "    time.sleep(0.01)\n"
-    kernel.send(f"%%distrain --no-plot\n{first}{long_cell}")
-    wait_until(lambda: all(p.exists() for p in running), 60)
+    _training_on_two_nodes(kernel, tmp_path)
     t = time.monotonic()
     slurm.kill_node(b)
     try:
