@@ -110,9 +110,11 @@ def _session_across_nodes(slurm, kernel):
     assert same == "model: identical on 4 ranks (4 entries)", same
 
 
+@pytest.mark.tf
 def test_connect_to_engines_ipcluster_started_with_slurms_launcher(slurm, kernel, tmp_path):
     """The profile docs/two-machines.md shows, ``ipcluster start --engines=slurm``, then
-    ``%distrain connect``: ranks follow Slurm's task numbers, and status names the job."""
+    ``%distrain connect``: ranks follow Slurm's task numbers, status names the job, and DDP and
+    TensorFlow train in sync across the nodes."""
     profile = tmp_path / "profile_slurm"
     profile.mkdir(mode=0o700)
     (profile / "ipcluster_config.py").write_text(
@@ -138,6 +140,7 @@ def test_connect_to_engines_ipcluster_started_with_slurms_launcher(slurm, kernel
             status, re.M,
         ), status  # fmt: skip
         _session_across_nodes(slurm, kernel)
+        _tensorflow_in_sync(kernel, 4)
         _ok(kernel.run("%distrain stop"))
     finally:
         subprocess.run(
@@ -408,12 +411,9 @@ def _heals(slurm, kernel, t):
     _ok(kernel.run("%distrain stop"))
 
 
-@pytest.mark.tf
-def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
-    """TensorFlow's MultiWorkerMirroredStrategy on a Slurm job's engines, one per node: the
-    workers train one Keras model in sync (every worker's weights the same)."""
-    first = _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))["out"]
-    job = re.search(r"Slurm job (\d+) submitted", first).group(1)
+def _tensorflow_in_sync(kernel, world: int) -> None:
+    """TensorFlow's MultiWorkerMirroredStrategy on the engines: the workers train one Keras
+    model in sync (every worker's weights the same)."""
     cell = textwrap.dedent(
         """
         import numpy as np, keras
@@ -427,7 +427,15 @@ def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
     )
     _ok(kernel.run(f"%%distrain --framework tf --no-plot --expose-tf -o tfres\n{cell}"))
     values = eval(_ok(kernel.run("tfres.values"))["value"])
-    assert len(values) == 2 and values[0] == values[1], values
+    assert len(values) == world and all(v == values[0] for v in values), values
+
+
+@pytest.mark.tf
+def test_tensorflow_multiworker_across_slurm_nodes(slurm, kernel):
+    """TensorFlow on a job of one engine per node, then ``%distrain restart``."""
+    first = _ok(kernel.run("%distrain start --slurm --nodes 2 --per-node 1 --time 10"))["out"]
+    job = re.search(r"Slurm job (\d+) submitted", first).group(1)
+    _tensorflow_in_sync(kernel, 2)
     # %distrain restart: the job cancelled, the same request submitted again.
     refused = kernel.run("%distrain restart -n 4")
     assert refused["error"] == "UsageError", refused
