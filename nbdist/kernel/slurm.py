@@ -410,7 +410,15 @@ class SlurmJobCluster(ConnectedCluster):
         # The launcher appends its own arguments to engine_cmd: the profile and the cluster id.
         launcher.engine_cmd = list(program)
         cluster.engine_launcher_class = SlurmEngineSetLauncher
-        engine_set = cluster.start_engines_sync(n)
+        try:
+            engine_set = cluster.start_engines_sync(n)
+        except subprocess.CalledProcessError as e:  # judged fine, refused at submission
+            raise ClusterError(
+                f"sbatch refused the job at submission (exit {e.returncode}), though "
+                "sbatch --test-only accepted it (a limit of your account or QOS?): its words "
+                "went to the kernel's log. scontrol show assoc_mgr, or sbatch the script "
+                f"{launcher.batch_file_name} by hand, tells why."
+            ) from None
         job_id = str(cluster.engines[engine_set].job_id)
         job = _Job(cluster, engine_set, job_id, Path(str(output).replace("%j", job_id)), n)
         self.jobs.append(job)
