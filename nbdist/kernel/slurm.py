@@ -416,8 +416,8 @@ class SlurmJobCluster(ConnectedCluster):
             raise ClusterError(
                 f"sbatch refused the job at submission (exit {e.returncode}), though "
                 "sbatch --test-only accepted it (a limit of your account or QOS?): its words "
-                "went to the kernel's log. scontrol show assoc_mgr, or sbatch the script "
-                f"{launcher.batch_file_name} by hand, tells why."
+                "went to the kernel's log (the Jupyter server's terminal). sacctmgr show assoc "
+                "user=$USER shows your limits."
             ) from None
         job_id = str(cluster.engines[engine_set].job_id)
         job = _Job(cluster, engine_set, job_id, Path(str(output).replace("%j", job_id)), n)
