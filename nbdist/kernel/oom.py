@@ -34,19 +34,26 @@ class MemoryWatch:
 
     def __init__(self) -> None:
         self._seen: dict[int, _Seen] = {}
+        self._counters: dict[str, Path | None] = {}  # /proc/PID/cgroup's text -> its counter
 
     def note(self, pids: Iterable[int]) -> None:
         """Note (again) where the running engines ``pids`` are, and their cgroups' OOM-kill
-        counts; a gone PID is skipped. At every job's start, so cheap: an engine's cgroup is
-        looked up once (a process stays in the cgroup it started in), and a count shared by
-        several engines (one cgroup, as a rule) is read once."""
+        counts; a gone PID is skipped. At every job's start, so cheap: each engine's cgroup is
+        read again (a process may be moved to another), but the counter file of a cgroup is
+        looked for once, and a count shared by several engines (one cgroup, as a rule) is read
+        once."""
         now = _uptime()
         kills: dict[Path | None, int] = {}
         for pid in pids:
-            seen = self._seen.get(pid)
-            counter = seen.counter if seen is not None else memory_counter(pid)
-            if seen is not None and (counter is None or not _alive(pid)):
-                continue  # no cgroup to read, or already gone: keep what was seen while it ran
+            try:
+                where = Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:
+                continue  # already gone: keep what was seen while it ran
+            if where not in self._counters:
+                self._counters[where] = _counter_of(where)
+            counter = self._counters[where]
+            if counter is None and pid in self._seen:
+                continue
             if counter not in kills:
                 kills[counter] = _oom_kills(counter)
             self._seen[pid] = _Seen(counter, kills[counter], now)
@@ -74,9 +81,14 @@ class MemoryWatch:
 def memory_counter(pid: int) -> Path | None:
     """The file counting OOM kills in the memory cgroup of ``pid`` (None: not found)."""
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        return _counter_of(Path(f"/proc/{pid}/cgroup").read_text())
     except OSError:
         return None
+
+
+def _counter_of(cgroup_text: str) -> Path | None:
+    """The OOM-kill counter of the memory cgroup a ``/proc/PID/cgroup`` text names."""
+    lines = cgroup_text.splitlines()
     for line in lines:  # "4:memory:/a/b" (v1), "0::/a/b" (v2)
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
@@ -91,18 +103,6 @@ def memory_counter(pid: int) -> Path | None:
                 if found.exists():
                     return found
     return None
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _oom_kills(counter: Path | None) -> int:
