@@ -140,25 +140,13 @@ def heal(
     survivors = [r for r in range(cluster.size) if r not in dead]
     if framework == "tf":
         return _heal_tf(cluster, dead, survivors[0], imports)
-    left = gather(
-        survivors,
-        [cluster.apply_async(r, healing.leave_group, framework) for r in survivors],
-        HEAL_TIMEOUT_S,
-        late=_late,
-    )
-    rewrap = left[0]
-    snap = cluster.apply_async(survivors[0], healing.snapshot).get(HEAL_TIMEOUT_S)
+    rewrap, snap = _leave_and_snapshot(cluster, framework, survivors)
     source_id = cluster.engines[survivors[0]].engine_id
     replaced = cluster.replace_ranks(dead)
     # A connected cluster ranks its engines anew: the survivor may have another rank now.
     source = [e.engine_id for e in cluster.engines].index(source_id)
     others = [r for r in range(cluster.size) if r != source]
-    gather(
-        others,
-        [cluster.apply_async(r, healing.restore, snap, rewrap, imports) for r in others],
-        HEAL_TIMEOUT_S,
-        late=_late,
-    )
+    _restore(cluster, others, snap, rewrap, imports)
     return Healed(
         ranks=tuple(dead), source=survivors[0], sent=tuple(snap.sent), unsent=dict(snap.unsent),
         rewrapped=tuple(sorted(rewrap)), replaced=replaced, size=cluster.size,
@@ -174,7 +162,6 @@ class Carried:
     snap: Any  # engine.healing.Snapshot
     rewrap: dict[str, Any]
     imports: tuple[str, ...]
-    variables: tuple[str, ...]
 
     def text(self) -> str:
         what = ", ".join(self.snap.sent) or "none"
@@ -190,26 +177,35 @@ def carry_out(cluster: Any, framework: str, imports: tuple[str, ...]) -> Carried
     """Every rank leaves the group (DDP models unwrapped, the variables kept: the next cell on
     these engines wraps them again), and rank 0's session comes to the notebook, as a
     healing's snapshot: :func:`carry_in` gives it to other engines."""
-    ranks = list(range(cluster.size))
-    left = gather(
-        ranks, [cluster.apply_async(r, healing.leave_group, framework) for r in ranks],
-        HEAL_TIMEOUT_S, late=_late,
-    )  # fmt: skip
-    snap = cluster.apply_async(0, healing.snapshot).get(HEAL_TIMEOUT_S)
-    return Carried(snap=snap, rewrap=left[0], imports=imports, variables=tuple(snap.sent))
+    rewrap, snap = _leave_and_snapshot(cluster, framework, list(range(cluster.size)))
+    return Carried(snap=snap, rewrap=rewrap, imports=imports)
 
 
 def carry_in(cluster: Any, carried: Carried) -> list[str]:
     """Every rank of ``cluster`` takes the carried session (``engine.healing.restore``); the
     next cell wraps its DDP models on the new group. The names restored."""
     ranks = list(range(cluster.size))
-    restored = gather(
-        ranks,
-        [cluster.apply_async(r, healing.restore, carried.snap, carried.rewrap, carried.imports)
-         for r in ranks],
+    return _restore(cluster, ranks, carried.snap, carried.rewrap, carried.imports)[0]
+
+
+def _leave_and_snapshot(cluster: Any, framework: str, ranks: list[int]) -> tuple[Any, Any]:
+    """``ranks`` leave the group (DDP models unwrapped, variables kept), and the first of them
+    gives its session: where its DDP models were, and its snapshot."""
+    left = gather(
+        ranks, [cluster.apply_async(r, healing.leave_group, framework) for r in ranks],
         HEAL_TIMEOUT_S, late=_late,
     )  # fmt: skip
-    return restored[0]
+    return left[0], cluster.apply_async(ranks[0], healing.snapshot).get(HEAL_TIMEOUT_S)
+
+
+def _restore(
+    cluster: Any, ranks: list[int], snap: Any, rewrap: Any, imports: tuple[str, ...]
+) -> list[Any]:
+    """Every rank of ``ranks`` takes the snapshot; what each restored."""
+    return gather(
+        ranks, [cluster.apply_async(r, healing.restore, snap, rewrap, imports) for r in ranks],
+        HEAL_TIMEOUT_S, late=_late,
+    )  # fmt: skip
 
 
 def unhealable(cluster: Any, framework: str, dead: Sequence[int]) -> str | None:

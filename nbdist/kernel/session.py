@@ -242,9 +242,7 @@ class Session:
             return
         saved = ""
         if self.carried is None and self.variables and self.framework == "torch":
-            self.carried = healing.carry_out(cluster, "torch", self.imports())
-            self.rendezvous.pop("torch", None)
-            saved = f"{self.carried.text()}; "
+            saved = f"{self._carry_out(cluster, 'torch').text()}; "
         elif self.carried is not None:
             saved = "the session's variables are saved in the notebook; "
         saved = saved[:1].upper() + saved[1:]
@@ -263,20 +261,26 @@ class Session:
         if not isinstance(cluster, SlurmJobCluster) or framework != "torch":
             return
         try:
-            self.carried = healing.carry_out(cluster, framework, self.imports())
+            self._carry_out(cluster, framework)
         except Exception as e:  # noqa: BLE001 - said; the job still runs
             error.state = f"{error.state} The session could not be saved ({e})."
             return
-        from nbdist.engine import backends
-
-        if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
-            self.rendezvous.pop(framework, None)  # the ranks left the group: a new one next
         error.state = (
             f"{self.carried.text()[0].upper()}{self.carried.text()[1:]}, and the group left. "
             f"%distrain start --slurm {cluster.request.words()} gives them to a new job's "
             "ranks (it cancels this one); a cell on this job before its end wraps the models "
             "again on a new group."
         )
+
+    def _carry_out(self, cluster: Any, framework: str) -> healing.Carried:
+        """The session to the notebook (``self.carried``): every rank left the group, so the
+        next cell on these engines makes a new one."""
+        from nbdist.engine import backends
+
+        self.carried = healing.carry_out(cluster, framework, self.imports())
+        if not backends.load(framework).KEEPS_RENDEZVOUS_AFTER_FAILURE:
+            self.rendezvous.pop(framework, None)
+        return self.carried
 
     def close(self) -> None:
         if self.prestart is not None:

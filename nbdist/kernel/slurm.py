@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbdist.engine.stopping import STOP_SIGNAL
 from nbdist.errors import ClusterError
 from nbdist.kernel.connected import ConnectedCluster, _launcher_log
 from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo
-from nbdist.kernel.runfiles import Reaper, kill_tree, run_dir, started
+from nbdist.kernel.runfiles import Reaper, run_dir
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,9 @@ def sbatch_lines(request: SlurmRequest, *, name: str, output: Path) -> list[str]
         f"--ntasks={request.tasks}",
         f"--output={output}",
     ]
-    # The time-limit warning: SIGUSR1 to the engines (every step's tasks, not the batch shell),
-    # nbdist's graceful stop signal: a running cell stops at a step boundary.
-    lines.append(f"--signal=USR1@{request.warn}")
+    # The time-limit warning: nbdist's graceful-stop signal to the engines (every step's tasks,
+    # not the batch shell): a running cell stops at a step boundary.
+    lines.append(f"--signal={STOP_SIGNAL.name.removeprefix('SIG')}@{request.warn}")
     # A node lost does not end the job: the engines on the others go on, and the session heals.
     lines.append("--no-kill")
     if request.gpus_per_node:
@@ -272,7 +273,7 @@ def job_notes(engines: Sequence[EngineInfo]) -> list[str]:
                 nodes.append(e.slurm.nodename)
     lines = []
     for job, nodes in jobs.items():
-        state = job_state(job) if shutil.which("squeue") else None
+        state = job_state(job)  # None where there is no squeue
         line = f"Slurm job {job}: nodes {', '.join(nodes) or '?'}"
         if state is not None:
             line += f", {state.words()}, time left {state.left}"
@@ -521,7 +522,7 @@ class SlurmJobCluster(ConnectedCluster):
             job = self._submit(n, smaller, engine_command())
             self._wait_running(job, min(request.timeout, 120.0))
             new = self._wait_engines(job, old, SETUP_TIMEOUT_S)
-        except (ClusterError, Exception) as e:  # noqa: BLE001 - said; the survivors go on
+        except Exception as e:  # noqa: BLE001 - said; the survivors go on
             self._notify(f"nbdist: Slurm could not give new engines: {e}")
             return None
         return new
@@ -606,14 +607,11 @@ class SlurmJobCluster(ConnectedCluster):
                              f"scancel {job.job} does it")  # fmt: skip
         controller, self._controller = self._controller, None
         if controller is not None:
-            proc = getattr(controller.controller, "pid", None) if controller.controller else None
             try:
                 controller.stop_controller_sync()
-            except Exception:  # noqa: BLE001 - killed below
+            except Exception:  # noqa: BLE001 - the reaper's stop kills what is left of it
                 log.debug("could not stop the controller", exc_info=True)
-            if proc:
-                kill_tree((proc, started(proc) or 0.0))
-        super().stop(note=None)
+        super().stop(note=None)  # the reaper's stop: what the record lists is gone after it
 
 
 def _every(interval: float, check: Callable[[], str | None]) -> Callable[[], str | None]:
