@@ -218,6 +218,7 @@ class RankFailure:
     time: float = 0.0
     collateral: bool = False
     cell: str = ""  # the cell's label, Cell In[12] (``line`` is as its editor shows it)
+    pid: int = 0  # the engine's process, which keeps the frames for %distrain debug
 
     @property
     def where(self) -> str:
@@ -319,6 +320,16 @@ class MemoryReport:
     gpus: list[dict[str, Any]]  # its GPUs: name, memory in use by every process
     variables: int  # variables in the session namespace
     dropped: list[str] = field(default_factory=list)  # what a reset dropped
+
+
+@dataclass(frozen=True)
+class DebugReply:
+    """What a rank's debugger printed for one line of input (``%distrain debug``), and the
+    prompt to show next: ``"Pdb "``, the console's ``">>> "`` / ``"... "``, or ``"ended"``."""
+
+    text: str
+    prompt: str
+    ended: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from nbdist.protocol import MemoryReport, Packed, pack_values
 
 def reset() -> MemoryReport:
     """Drop every variable the cells defined and give the memory back; the group stays."""
+    from nbdist.engine import debugging
+
+    debugging.forget()  # a failed cell's frames hold memory too
     dropped = clear(session_namespace())
     free_memory()
     return replace(memory(), dropped=dropped)

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import backends, display, healing, profiling, stopping
+from nbdist.engine import backends, debugging, display, healing, profiling, stopping
 from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
@@ -137,14 +137,18 @@ def run_source(
     return None
 
 
+def _from_cell(exc: BaseException, filename: str) -> Any:
+    """``exc``'s traceback from the cell's frame down: the worker's own frames are noise to
+    the user (all of it where the cell is not on it)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    return exc.__traceback__ if tb is None else tb
+
+
 def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
     """A picklable report of ``exc``: type, message, cell line and the traceback from the cell."""
-    tb = exc.__traceback__
-    # Start the traceback at the cell: the worker's own frames are noise to the user.
-    while tb is not None and tb.tb_frame.f_code.co_filename != spec.filename:
-        tb = tb.tb_next
-    if tb is None:
-        tb = exc.__traceback__
+    tb = _from_cell(exc, spec.filename)
     line = None
     walk = tb
     while walk is not None:
@@ -153,7 +157,9 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
         walk = walk.tb_next
     text = relabel("".join(traceback.format_exception(type(exc), exc, tb)))
     line_text = linecache.getline(spec.filename, line) if line else ""
-    traceback.clear_frames(exc.__traceback__)
+    headline = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # The frames stay for %distrain debug until the next cell (their variables with them).
+    debugging.keep(tb, headline, spec.cell.label)
     return RankFailure(
         rank=spec.rank,
         host=host,
@@ -164,6 +170,7 @@ def _describe(exc: BaseException, spec: RankSpec, host: str) -> RankFailure:
         line_text=line_text.rstrip("\n"),
         time=time.time(),
         cell=spec.cell.label,
+        pid=os.getpid(),
     )
 
 
@@ -182,6 +189,7 @@ def relabel(text: str) -> str:
 def run_rank(spec: RankSpec) -> RankReport:
     """Run one rank of a cell; returns its report (never raises)."""
     state = engine_state()
+    debugging.forget()  # the last failure's frames: kept until the next cell
     backend = backends.load(spec.framework)
     host = socket.gethostname()
     start = time.perf_counter()
@@ -211,7 +219,12 @@ def run_rank(spec: RankSpec) -> RankReport:
                 namespace.update(_pushed(spec.push))
             display.set_up(state)
             stopping.begin(_stopper(spec, state, backend, publish))
-            with interrupts_kept(), _exits_end_the_cell(namespace), display.cell_figures():
+            with (
+                interrupts_kept(),
+                _exits_end_the_cell(namespace),
+                display.cell_figures(),
+                debugging.breakpoints_said(),
+            ):
                 value = run_source(spec.source, spec.filename, namespace, spec.cell.first_line)
             report.value = display.packed(value)
             report.value_repr = None if value is None else _repr(value)
@@ -222,6 +235,7 @@ def run_rank(spec: RankSpec) -> RankReport:
                 report.pull_error = str(e)
     except stopping.StopAtStep as stop:  # a graceful stop: the cell ends, the session stays
         report.stopped_at = stop.step
+        debugging.stopped(_from_cell(stop, spec.filename), stop.step)
     except BaseException as exc:  # noqa: B036 - an interrupt must be reported like any failure
         report.failure = _describe(exc, spec, host)
     finally:

@@ -13,16 +13,18 @@ ipywidgets and matplotlib are imported only when needed.
 
 from __future__ import annotations
 
+import html
 import math
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nbdist.kernel.curves import Aggregate, Segment, losses_text
 from nbdist.kernel.figure import FIGURE_TEXT, Figure, figure_for, png_data, use_log_scale
+from nbdist.protocol import Waiting
 from nbdist.ranks import MANY_RANKS
 
 REDRAW_S = 0.5
@@ -75,13 +77,24 @@ def _eta(last: dict[str, Any], total: int | None, elapsed: float) -> str:
     return f"{remaining * elapsed / (step + 1):.0f} s"
 
 
+def _where_text(where: Waiting) -> str:
+    """``waits in torch.distributed.all_reduce, line 12: dist.all_reduce(t)``"""
+    what = f"waits in {where.collective}, " if where.collective else "at "
+    return html.escape(f"{what}line {where.line}: {where.line_text}")
+
+
 def table_html(
-    agg: Aggregate, states: Sequence[str], now: float, hosts: Sequence[str] | None = None
+    agg: Aggregate,
+    states: Sequence[str],
+    now: float,
+    hosts: Sequence[str] | None = None,
+    where: Mapping[int, Waiting] | None = None,
 ) -> str:
     """One row per rank: state, step, last loss, samples/s, working time per step, elapsed, ETA.
 
-    A rank the others wait for is marked in its working time. Beyond ``MANY_RANKS`` ranks,
-    one row per host instead (:func:`host_table_html`)."""
+    A rank the others wait for is marked in its working time; one that has not stepped for a
+    few seconds says where it is (``where``: the cell line, and the collective it waits in).
+    Beyond ``MANY_RANKS`` ranks, one row per host instead (:func:`host_table_html`)."""
     if agg.world > MANY_RANKS:
         return host_table_html(agg, states, now, hosts)
     rows = []
@@ -97,9 +110,12 @@ def table_html(
         work_text = "" if work is None else f"{work * 1e3:,.0f} ms"
         if rank in slow:
             work_text = f"<b>{work_text} ({slow[rank]:.1f}× the others)</b>"
+        state = str(states[rank])
+        if where and rank in where:
+            state += f"<br><small>{_where_text(where[rank])}</small>"
         rows.append(
             "<tr>"
-            f"<td>{rank}</td><td>{states[rank]}</td><td>{_step_cell(agg, last.get('step'))}</td>"
+            f"<td>{rank}</td><td>{state}</td><td>{_step_cell(agg, last.get('step'))}</td>"
             f"<td>{losses[rank]}</td>"
             f"<td>{'' if rate is None else f'{rate:,.0f}'}</td><td>{work_text}</td>"
             f"<td>{elapsed:.1f} s</td><td>{_eta(last, agg.total_steps, elapsed)}</td>"
@@ -285,10 +301,16 @@ class Dashboard:
             }
         )
 
-    def draw(self, states: Sequence[str], smoothing: float, logy: bool | None) -> float:
+    def draw(
+        self,
+        states: Sequence[str],
+        smoothing: float,
+        logy: bool | None,
+        where: Mapping[int, Waiting] | None = None,
+    ) -> float:
         """The table and the figure, from the same points (the figure is never behind the
         table); returns the seconds the figure took."""
-        self.table.value = table_html(self.agg, states, time.time(), self.hosts)
+        self.table.value = table_html(self.agg, states, time.time(), self.hosts, where)
         start = time.monotonic()
         self.image.value = self.figure.png(self.agg, smoothing, logy)
         self.drawn = self.agg.seen
@@ -436,9 +458,11 @@ class LiveView:
         total_steps: int | None = None,
         force: bool = False,
         key: str | None = None,
+        where: Mapping[int, Waiting] | None = None,
     ) -> bool:
         """Take in new points; redraw if the throttle allows. Returns whether it redrew.
-        ``key``: the model the cell trains, once a rank has said (see :meth:`trains`)."""
+        ``key``: the model the cell trains, once a rank has said (see :meth:`trains`);
+        ``where``: the ranks that have not stepped for a while, and where they are."""
         if key is not None:
             self.trains(key)
         self.agg.add(history)
@@ -457,7 +481,7 @@ class LiveView:
             )
             if self._stopping:
                 self.dashboard.stop.value = stopping_html(self._stopping_text())
-        took = self.dashboard.draw(states, self.smoothing, self.logy)
+        took = self.dashboard.draw(states, self.smoothing, self.logy, where)
         # The next update when drawing has cost no more than its share of a core (the table
         # waits with the figure: one picture of the run, never one behind the other).
         self.throttle.interval = figure_wait(took, self.agg.world)

@@ -278,7 +278,10 @@ class Job:
                             watch.note_progress(pos, now)
                     history, total = stream.history, stream.total_steps()
                     key = stream.meta[0].model
-                    live.update(history, states(ars, watch), total_steps=total, key=key)
+                    live.update(
+                        history, states(ars, watch), total_steps=total, key=key,
+                        where=where_shown(ars, watch, start, now, self.ranks),
+                    )  # fmt: skip
                     if self._stop_asked is not None and self._stop_step is None:
                         self._stop_step = _agreed_step(ars)
                         if self._stop_step is not None:
@@ -534,6 +537,24 @@ def _agreed_step(ars: list[Any]) -> int | None:
         if step is not None:
             return step
     return None
+
+
+WHERE_SHOWN_AFTER_S = 3.0  # a running rank that has not stepped this long: the panel says where
+
+
+def where_shown(
+    ars: Sequence[Any], watch: Watch, start: float, now: float, ranks: Sequence[int]
+) -> dict[int, Waiting]:
+    """Where each running rank is, for the panel, once it has not stepped for
+    ``WHERE_SHOWN_AFTER_S`` (a hang read as it forms, before ``--stall`` names it)."""
+    shown = {}
+    for pos, ar in enumerate(ars):
+        since = watch.progress.get(pos, start)
+        if now - since >= WHERE_SHOWN_AFTER_S and not ar.ready():
+            where = _where(ar)
+            if where is not None:
+                shown[ranks[pos]] = where
+    return shown
 
 
 def _where(ar: Any) -> Waiting | None:

@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from traitlets import Bool, observe
 
 from nbdist.errors import ExportError
-from nbdist.kernel import commands
+from nbdist.kernel import commands, debug
 from nbdist.kernel.netns import MODES
 from nbdist.kernel.options import _names, _positive_int, parse_run_options, run_parser
 from nbdist.kernel.session import Session
@@ -280,6 +280,11 @@ def _pull_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=0)
 
 
+def _debug_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rank", type=int, nargs="?", default=None)
+    p.add_argument("-c", "--command", dest="commands", action="append", default=None)
+
+
 def _sync_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("names", type=_names("sync"))
     p.add_argument("--from", dest="source", type=int, default=0)
@@ -328,6 +333,16 @@ SUBCOMMANDS = (
         "every rank takes rank R's NAME (0 by default): models and optimizers are loaded in "
         "place, anything else is replaced (after an error left a rank a step behind)",
         _sync_args,
+    ),
+    Subcommand(
+        "debug", "[RANK] [-c COMMAND ...]",
+        "pdb on the frames of the last cell's failure, on RANK (default: the rank whose error "
+        "the cell showed); the prompt is the notebook's input box, or -c gives the commands",
+        _debug_args,
+    ),
+    Subcommand(
+        "where", "", "how the last cell ended on every rank (a Stop, an interrupt, an error) "
+        "and each rank's stack then, the cell's lines first",
     ),
     Subcommand("vars", "", "the workers' variables: type, shape, same on every rank?"),
     Subcommand(
@@ -625,6 +640,14 @@ class DistrainMagics(Magics):
 
     def _sync(self, ns: argparse.Namespace) -> None:
         print(commands.sync(self.session, ns.names, ns.source))
+
+    def _debug(self, ns: argparse.Namespace) -> None:
+        self.session.ready()
+        debug.debug(self.session, ns.rank, ns.commands, ask=input, out=print)
+
+    def _where(self, ns: argparse.Namespace) -> None:
+        self.session.ready()
+        debug.where(self.session, out=print)
 
     def _vars(self, ns: argparse.Namespace) -> Any:
         return commands.variables(self.session)

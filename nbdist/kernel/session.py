@@ -22,12 +22,14 @@ from typing import Any, TextIO
 from IPython.core.error import UsageError
 
 from nbdist.engine.hardware import visible_gpus
+from nbdist.errors import WorkerError
 from nbdist.kernel import healing, regroup
 from nbdist.kernel.cell import Cell
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.connected import ConnectedCluster
 from nbdist.kernel.curves import Segment
+from nbdist.kernel.debug import FailedCell, debug_hint
 from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.engines import DEAD_ADVICE, HEAL_ADVICE
 from nbdist.kernel.export import CellRecord
@@ -80,6 +82,7 @@ class Session:
         self.curve_key: str | None = None  # the model they trained (Recorder.model's key)
         # Ranks of a connected cluster still running a cell nbdist gave up on: which cell.
         self.still_running: dict[int, str] = {}
+        self.failed: FailedCell | None = None  # the last cell, if it failed: %distrain debug
         self._run_id = 0
         self._changes: list[str | None] = []  # the engines changed: what to tell, not yet told
 
@@ -471,7 +474,12 @@ class Session:
         """One cell, and its outcome applied to the session."""
         self.ready()
         self._before_time_limit()
+        self.failed = None
         done = Cell(self, opts, source, tree, user_ns, cell).run()
+        if done.error is not None and done.result is None:  # not a graceful stop's notice
+            self.failed = FailedCell.of(done.error, (cell or CellName()).label)
+            if isinstance(done.error, WorkerError) and done.state != SessionState.REPLACED:
+                done.error.notes.append(debug_hint(self.failed.raised[0]))
         if done.state in (SessionState.DROPPED, SessionState.REPLACED, SessionState.STOPPED):
             self.forget()
         if done.error is not None and done.result is None:

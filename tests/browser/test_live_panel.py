@@ -5,8 +5,9 @@ while the cell trains and its figure keeps up with its table (redrawn within one
 it), Stop (which asks the server to interrupt the kernel) stops every rank after the same step,
 the final figure takes the live one's place at the same size, the summary and the Stop message
 name the same step, the next cell finds the replicas identical, a cell that fails is named as
-the notebook numbers it (``Cell In[4], line 3``), and the notebook, saved as a person saves it,
-is valid. Screenshots go to ``build/browser/``.
+the notebook numbers it (``Cell In[4], line 3``), ``%distrain debug`` prompts ``(rank 1) Pdb``
+in the notebook's input box and answers the pdb commands typed there, and the notebook, saved
+as a person saves it, is valid. Screenshots go to ``build/browser/``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.browser.jupyter import (
     outputs,
     run_cell,
     save,
+    wait_idle,
     write_notebook,
 )
 
@@ -53,7 +55,8 @@ def front_end(request, tmp_path):
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser needed)")
     pytest.importorskip("jupyterlab" if request.param == "lab" else "notebook")
     write_notebook(
-        tmp_path / "panel.ipynb", ["%load_ext nbdist", CELL, "%distrain compare model", FAILING]
+        tmp_path / "panel.ipynb",
+        ["%load_ext nbdist", CELL, "%distrain compare model", FAILING, "%distrain debug"],
     )
     server = Jupyter(tmp_path, request.param)
     yield server
@@ -172,6 +175,25 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         count = re.search(r"\d+", prompt).group(0)
         page.screenshot(path=str(SHOTS / f"{app}_4_failed.png"))
         assert f"at Cell In[{count}], line 3: raise ValueError('bad batch')" in failed, failed
+        assert "To look at rank 1's variables where it raised: %distrain debug" in failed
+        # %distrain debug: pdb on the rank that raised, its prompt the notebook's input box.
+        run_cell(page, 4, wait=False)
+        debug = outputs(page, 4)
+        for typed, answer in (("p 'rank is', rank", "('rank is', 1)"), ("up", None), ("q", None)):
+            box = debug.locator("input.jp-Stdin-input")
+            box.wait_for(timeout=60_000)
+            assert debug.locator(".jp-Stdin-prompt").last.inner_text().startswith(
+                "(rank 1) Pdb"
+            ), debug.inner_text()
+            box.fill(typed)
+            box.press("Enter")
+            if answer is not None:
+                debug.get_by_text(answer).wait_for(timeout=30_000)
+                page.screenshot(path=str(SHOTS / f"{app}_5_debugger.png"))
+        wait_idle(page, 4, timeout=60)
+        said = debug.inner_text()
+        assert f"> Cell In[{count}](3)<module>()" in said, said
+        assert "-> raise ValueError('bad batch')" in said, said
 
         save(page)
         browser.close()

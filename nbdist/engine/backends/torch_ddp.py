@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import hardware, profiling, stopping
+from nbdist.engine import debugging, hardware, profiling, stopping
 from nbdist.engine.env import patch_environment
 from nbdist.engine.libraries import libraries_join, reset_accelerate
 from nbdist.engine.state import EngineState
@@ -120,6 +120,7 @@ def _teardown(slot: dict[str, Any]) -> None:
 
     if not slot and not dist.is_initialized():
         return  # nothing to tear down; a full collection costs ~0.1 s on an engine with torch
+    debugging.before_group_destroy()  # a failed cell's frames may hold a DDP model
     gc.collect()
     if dist.is_initialized():
         _unpin_device_meshes()

@@ -1,0 +1,152 @@
+"""The engine's side of ``%distrain debug`` and ``%distrain where``: a failed cell's frames
+kept, pdb fed one line at a time, each rank's last stack; and the panel's "where" text.
+
+The cells run through the worker's own ``run_source`` (the code every rank runs), named as
+the engine names them, so tracebacks and pdb read ``Cell In[7]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nbdist.engine import debugging
+from nbdist.engine.state import engine_state
+from nbdist.engine.worker import _from_cell, run_source
+
+CELL = "<nbdist cell 901>"
+SOURCE = """def scale(values, factor):
+    total = 0
+    for v in values:
+        total += v * factor
+        if total > 5:
+            raise ValueError(f"too big: {total}")
+    return total
+
+limit = 5
+scale([1, 2, 3], 2)
+"""
+
+
+@pytest.fixture
+def failed():
+    """SOURCE run as cell In[7] (its first line is the editor's line 2), failed and kept."""
+    engine_state().cell_labels[CELL] = "Cell In[7]"
+    namespace: dict = {"__name__": "__main__"}
+    try:
+        run_source(SOURCE, CELL, namespace, first_line=2)
+    except ValueError as e:
+        debugging.keep(_from_cell(e, CELL), f"ValueError: {e}", "Cell In[7]")
+    yield namespace
+    debugging.forget()
+    engine_state().cell_labels.pop(CELL, None)
+
+
+def test_post_mortem_at_the_frame_that_raised(failed):
+    opened = debugging.open_debugger()
+    assert opened.text.splitlines() == [
+        "Cell In[7]: ValueError: too big: 6",
+        "> Cell In[7](7)scale()",
+        '-> raise ValueError(f"too big: {total}")',
+    ]
+    assert (opened.prompt, opened.ended) == ("Pdb ", False)
+    assert debugging.command("p total, v, factor").text == "(6, 2, 2)\n"
+    assert debugging.command("up").text.splitlines() == [
+        "> Cell In[7](11)<module>()",
+        "-> scale([1, 2, 3], 2)",
+    ]
+    assert debugging.command("p limit").text == "5\n"
+    # interact: a console in the frame's variables, fed the same way; exit() goes back.
+    assert debugging.command("interact").prompt == ">>> "
+    assert debugging.command("for i in range(2):").prompt == "... "
+    body = debugging.command("    print(i * limit)")
+    assert body.prompt == "... " and body.text == ""
+    done = debugging.command("")
+    assert (done.text, done.prompt) == ("0\n5\n", ">>> ")
+    err = debugging.command("1/0")
+    assert err.text.splitlines()[-1] == "ZeroDivisionError: division by zero"
+    assert "debugging.py" not in err.text and "code.py" not in err.text
+    assert debugging.command("exit()").prompt == "Pdb "
+    assert (
+        debugging.command("p nothing_here").text
+        == "*** NameError: name 'nothing_here' is not defined\n"
+    )
+    ended = debugging.command("q")
+    assert ended.ended and ended.prompt == "ended"
+    # The frames stay for another %distrain debug, which starts again where it raised.
+    assert debugging.held() == "ValueError: too big: 6"
+    assert debugging.open_debugger().text.splitlines()[1] == "> Cell In[7](7)scale()"
+
+
+def test_where_names_how_the_cell_ended_with_its_lines_first(failed):
+    assert debugging.where() == (
+        "raised ValueError: too big: 6\n"
+        "  Cell In[7], line 11, in <module>: scale([1, 2, 3], 2)\n"
+        '  Cell In[7], line 7, in scale: raise ValueError(f"too big: {total}")'
+    )
+
+
+def test_the_next_cell_lets_the_frames_go(failed):
+    debugging.forget()
+    assert debugging.held() is None and debugging.where() is None
+    reply = debugging.open_debugger()
+    assert reply.ended
+    assert reply.text == (
+        "this engine holds no failed cell's frames (none failed here, or a cell ran since)"
+    )
+
+
+def test_a_library_frame_below_the_cell_is_shown_short(failed):
+    """A stop inside a library call: its frames after the cell's, site-packages cut off."""
+    import json
+
+    engine_state().cell_labels[CELL] = "Cell In[8]"
+    try:
+        run_source("json.loads('{')\n", CELL, {"json": json}, first_line=2)
+    except ValueError as e:
+        debugging.keep(_from_cell(e, CELL), "JSONDecodeError", "Cell In[8]")
+    lines = debugging.where().splitlines()
+    assert lines[:2] == [
+        "raised JSONDecodeError",
+        "  Cell In[8], line 2, in <module>: json.loads('{')",
+    ]
+    assert lines[2].startswith("    json/__init__.py:") and lines[2].endswith(", in loads")
+    assert all(not line.startswith("    /") for line in lines[2:])
+
+
+def test_breakpoint_is_said_once_per_line_and_the_cell_goes_on(failed, capsys):
+    engine_state().cell_labels[CELL] = "Cell In[9]"
+    with debugging.breakpoints_said():
+        out = run_source("for i in range(3):\n    breakpoint()\ni\n", CELL, {}, first_line=2)
+    assert out == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        "nbdist: breakpoint() at Cell In[9], line 3 does not stop a %%distrain cell (the "
+        "workers have no input box while a cell runs); the cell goes on. To look at the "
+        "variables at that line: raise there (raise RuntimeError('look')), then "
+        "%distrain debug."
+    ]
+    assert sys.breakpointhook is sys.__breakpointhook__
+
+
+def test_the_panel_row_says_where_a_rank_waits():
+    from nbdist.kernel.curves import Aggregate
+    from nbdist.kernel.display import table_html
+    from nbdist.protocol import Waiting
+
+    agg = Aggregate(2, start=100.0)
+    agg.add([{"rank": r, "step": 0, "time": 100.5, "loss": 1.0} for r in (0, 1)])
+    where = {
+        0: Waiting(
+            line=8, line_text="dist.all_reduce(t)", collective="torch.distributed.all_reduce"
+        ),
+        1: Waiting(line=7, line_text="x = a < b", collective=None),
+    }
+    html = table_html(agg, ["running", "running"], now=105.0, where=where)
+    assert (
+        "<td>running<br><small>waits in torch.distributed.all_reduce, line 8: "
+        "dist.all_reduce(t)</small></td>"
+    ) in html
+    assert "<td>running<br><small>at line 7: x = a &lt; b</small></td>" in html
+    assert "<small>" not in table_html(agg, ["running", "running"], now=105.0)
