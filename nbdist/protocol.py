@@ -261,6 +261,8 @@ class RankSpec:
     autolog: bool = True
     fresh: bool = False  # run in a throwaway namespace instead of the session's
     profile: int = 0  # optimizer steps to profile (--profile; nbdist.engine.profiling)
+    # Where breakpoint() reaches the notebook: its Unix socket and key (nbdist.engine.breakpoints)
+    debug: tuple[str, bytes] | None = None
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,6 @@ import pdb
 import re
 import sys
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -45,7 +44,7 @@ _kept: _Kept | None = None
 # or a graceful stop's (whose frames are not kept: the cell ended as it should).
 _stack: tuple[str, traceback.StackSummary] | None = None
 _let_go: str | None = None  # why the last failure's frames are gone, if they went early
-_debugger: _Debugger | None = None
+_debugger: Debugger | None = None
 
 
 def keep(tb: TracebackType, headline: str, cell: str) -> None:
@@ -74,39 +73,7 @@ def held() -> str | None:
     return None if _kept is None else _kept.headline
 
 
-@contextlib.contextmanager
-def breakpoints_said() -> Iterator[None]:
-    """While a cell runs, ``breakpoint()`` says what it does here instead of nothing (pdb
-    on an engine reads no terminal, and went on silently): the cell goes on, and the way to
-    look at the variables at that line is named. Each line is said once per cell."""
-    said: set[tuple[str, int]] = set()
-    labels = _cell_labels()
-
-    def hook(*args: object, **kwargs: object) -> None:
-        if os.environ.get("PYTHONBREAKPOINT") == "0":
-            return
-        caller = sys._getframe(1)
-        at = (caller.f_code.co_filename, caller.f_lineno)
-        if at in said:
-            return
-        said.add(at)
-        where = f"{labels.get(at[0], at[0])}, line {at[1]}"
-        print(
-            f"nbdist: breakpoint() at {where} does not stop a %%distrain cell (the workers "
-            "have no input box while a cell runs); the cell goes on. To look at the variables "
-            "at that line: raise there (raise RuntimeError('look')), then %distrain debug.",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    saved, sys.breakpointhook = sys.breakpointhook, hook
-    try:
-        yield
-    finally:
-        sys.breakpointhook = saved
-
-
-def _cell_labels() -> dict[str, str]:
+def cell_labels() -> dict[str, str]:
     from nbdist.engine.state import engine_state
 
     return engine_state().cell_labels
@@ -121,7 +88,7 @@ def where() -> str | None:
     if _stack is None:
         return None
     how, stack = _stack
-    labels = _cell_labels()
+    labels = cell_labels()
     cell = [f for f in stack if f.filename in labels]
     lines = [how]
     lines += [
@@ -203,14 +170,13 @@ class _Console(code.InteractiveConsole):
         self.write("".join(traceback.format_exception_only(kind, value)))
 
 
-class _Debugger(pdb.Pdb):
+class Debugger(pdb.Pdb):
     """pdb with its output captured, fed one line at a time."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.out = io.StringIO()
-        super().__init__(stdin=io.StringIO(""), stdout=self.out, nosigint=True, readrc=True)
-        self.use_rawinput = False
-        self.rcLines = []  # a .pdbrc on the engine's host is not the user's
+        super().__init__(stdin=io.StringIO(""), stdout=self.out, nosigint=True, readrc=False)
+        self.use_rawinput = False  # (and no .pdbrc: the engine's host's is not the user's)
         self.console: _Console | None = None
         self.labels = labels
         self.more = False  # the console waits for the rest of a statement
@@ -262,7 +228,7 @@ def open_debugger() -> DebugReply:
             "this engine holds no failed cell's frames (none failed here, or a cell ran since)"
         )
         return DebugReply(text=why, prompt="ended", ended=True)
-    _debugger = _Debugger(dict(_cell_labels()))
+    _debugger = Debugger(dict(cell_labels()))
     _debugger.reset()
     _debugger.setup(None, _kept.tb)
     _debugger.message(f"{_kept.cell}: {_kept.headline}")
@@ -296,7 +262,6 @@ __all__ = [
     "forget",
     "held",
     "keep",
-    "breakpoints_said",
     "open_debugger",
     "stopped",
     "where",

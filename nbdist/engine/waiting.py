@@ -29,6 +29,7 @@ SAMPLE_S = 0.5
 # and autograd's engine, where DDP's gradient all-reduce runs (inside backward()).
 _C10D = "torch/distributed/distributed_c10d.py"
 _AUTOGRAD = "torch/autograd/"
+_DEBUGGER = ("bdb.py", "pdb.py")  # a rank paused at breakpoint() (nbdist.engine.breakpoints)
 
 
 def place(frame: Any, filename: str) -> Waiting | None:
@@ -46,6 +47,8 @@ def place(frame: Any, filename: str) -> Waiting | None:
         collective = f"torch.distributed.{c10d[-1].name}"
     elif any(_AUTOGRAD in f.filename.replace("\\", "/") for f in inner):
         collective = "DDP's gradient all-reduce in backward()"
+    elif any(f.filename.endswith(_DEBUGGER) for f in inner):
+        collective = "the debugger (the notebook's prompt)"
     return Waiting(line=at.lineno, line_text=(at.line or "").strip(), collective=collective)
 
 

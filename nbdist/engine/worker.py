@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nbdist.engine import backends, debugging, display, healing, profiling, stopping
+from nbdist.engine import backends, breakpoints, debugging, display, healing, profiling, stopping
 from nbdist.engine.env import interrupts_kept, patch_environment, sigint_ignored
 from nbdist.engine.hardware import process_info, reachable_address
 from nbdist.engine.metrics import Recorder, flush_interval
@@ -223,7 +223,7 @@ def run_rank(spec: RankSpec) -> RankReport:
                 interrupts_kept(),
                 _exits_end_the_cell(namespace),
                 display.cell_figures(),
-                debugging.breakpoints_said(),
+                breakpoints.breakpoints(spec.rank, spec.debug),
             ):
                 value = run_source(spec.source, spec.filename, namespace, spec.cell.first_line)
             report.value = display.packed(value)

@@ -204,6 +204,7 @@ class Cell:
                 autolog=opts.autolog,
                 fresh=opts.fresh,
                 profile=opts.profile or 0,
+                debug=session.breakpoints.channel(),
             )
             for e in cluster.engines[:world]
         ]
@@ -235,6 +236,7 @@ class Cell:
             self.cluster, plan.specs, opts=opts, live=live_view, out=session.out,
             err=session.err, world=plan.world, left_out=plan.left_out,
             display=session.display if session.live_progress else None,
+            breakpoints=session.breakpoints,
         )  # fmt: skip
         return self.job
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from nbdist.engine import backends, worker
 from nbdist.errors import RankFailure
+from nbdist.kernel.breakpoints import Desk
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
 from nbdist.kernel.metrics import MetricsStream, Rounds
@@ -124,8 +125,11 @@ class Job:
         world: int,
         left_out: Sequence[RankSpec] = (),
         display: Any = None,
+        breakpoints: Desk | None = None,
     ) -> None:
         self.cluster = cluster
+        self.breakpoints = breakpoints  # ranks at breakpoint(), prompted for in the notebook
+        self._out = out
         self.left_out = list(left_out)  # the group's ranks an --on cell does not run on
         self.specs = list(specs)
         self.ranks = [s.rank for s in specs]
@@ -178,7 +182,11 @@ class Job:
         self._survives_interrupt = backend.SURVIVES_INTERRUPT
         # The first CPU sample a second in: a short cell never pays for reading /proc.
         self.watch.cpu_at = start
-        self._watch(ars, start, release)
+        try:
+            self._watch(ars, start, release)
+        finally:
+            if self.breakpoints is not None:
+                self.breakpoints.end_cell()
         phases.mark("watch")
         wall = time.monotonic() - start
         watch = self.watch
@@ -259,10 +267,24 @@ class Job:
         kill_grace = release + KILL_GRACE_S
         next_liveness = time.monotonic() + LIVENESS_EVERY_S
         next_pump = 0.0
+        tick = time.monotonic()
         while True:
             try:
                 if interrupts.take():  # one at a time: a second one is the next round's
                     raise KeyboardInterrupt
+                desk = self.breakpoints
+                if desk is not None:
+                    was = desk.active
+                    desk.serve(lambda text: print(text, file=self._out, flush=True), self._stop)
+                    if was or desk.active:
+                        # A rank in the debugger makes no progress, and its peers wait for it:
+                        # the time at the prompt counts for neither --stall nor --timeout.
+                        paused = time.monotonic() - tick
+                        start += paused
+                        watch.shift(paused)
+                        if self._stop_asked is not None:
+                            self._stop_asked += paused
+                tick = time.monotonic()
                 now = time.monotonic()
                 pending = [p for p, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
@@ -369,17 +391,25 @@ class Job:
                         return
                 ars[pending[0]].wait(POLL_S)  # returns as soon as that rank is done
             except KeyboardInterrupt:
-                if watch.reason == Reason.INTERRUPT:  # a second interrupt: stop waiting, kill now
-                    watch.since = time.monotonic() - peer_grace - kill_grace
-                elif self._stop_asked is None and self._may_stop_gracefully():
-                    self._stop_asked = time.monotonic()
-                    self._stop_wait = graceful_wait(self.stream.history, len(ars))
-                    self.cluster.ask_to_stop([self.ranks[p] for p in range(len(ars))])
-                    live.stopping()
-                else:  # the first interrupt, or a second one while a graceful stop waits
-                    watch.reason = Reason.INTERRUPT
-                    watch.since = time.monotonic() - peer_grace
-                    watch.interrupted = False
+                self._stop(peer_grace, kill_grace)
+
+    def _stop(self, peer_grace: float | None = None, kill_grace: float | None = None) -> None:
+        """The notebook's interrupt (the Stop button, ``q`` at a breakpoint's prompt): a
+        graceful stop where the ranks can reach a step boundary, else the interrupt."""
+        watch = self.watch
+        peer_grace = self._release_s + PEER_GRACE_S if peer_grace is None else peer_grace
+        kill_grace = self._release_s + KILL_GRACE_S if kill_grace is None else kill_grace
+        if watch.reason == Reason.INTERRUPT:  # a second interrupt: stop waiting, kill now
+            watch.since = time.monotonic() - peer_grace - kill_grace
+        elif self._stop_asked is None and self._may_stop_gracefully():
+            self._stop_asked = time.monotonic()
+            self._stop_wait = graceful_wait(self.stream.history, len(self.ars))
+            self.cluster.ask_to_stop(self.ranks)
+            self.live.stopping()
+        else:  # the first interrupt, or a second one while a graceful stop waits
+            watch.reason = Reason.INTERRUPT
+            watch.since = time.monotonic() - peer_grace
+            watch.interrupted = False
 
     def _kill_grace(self, kill_grace: float) -> float:
         """How long ranks still running after SIGINT get before SIGKILL: ``kill_grace`` (which

@@ -24,6 +24,7 @@ from IPython.core.error import UsageError
 from nbdist.engine.hardware import visible_gpus
 from nbdist.errors import WorkerError
 from nbdist.kernel import healing, regroup
+from nbdist.kernel.breakpoints import Desk
 from nbdist.kernel.cell import Cell
 from nbdist.kernel.checks import CheckContext, check_source
 from nbdist.kernel.cluster import Cluster
@@ -83,6 +84,7 @@ class Session:
         # Ranks of a connected cluster still running a cell nbdist gave up on: which cell.
         self.still_running: dict[int, str] = {}
         self.failed: FailedCell | None = None  # the last cell, if it failed: %distrain debug
+        self.breakpoints = Desk()  # where a rank at breakpoint() reaches the notebook
         self._run_id = 0
         self._changes: list[str | None] = []  # the engines changed: what to tell, not yet told
 
@@ -289,6 +291,7 @@ class Session:
         if self.prestart is not None:
             self.prestart.cancel()
         self.cluster.stop()
+        self.breakpoints.close()
 
     def status_text(self) -> str:
         self.ready()

@@ -36,6 +36,14 @@ class Watch:
         if self.first_progress is None:
             self.first_progress = now
 
+    def shift(self, seconds: float) -> None:
+        """Time that does not count (a rank in the debugger): every clock moves on by it."""
+        self.progress = {r: t + seconds for r, t in self.progress.items()}
+        if self.first_progress is not None:
+            self.first_progress += seconds
+        self.busy_at = {r: t + seconds for r, t in self.busy_at.items()}
+        self.cpu_at += seconds
+
     def stuck(self, pending: list[int], now: float, limit: float) -> list[int]:
         """Pending ranks with no progress for ``limit`` s (counted from the first progress)."""
         if self.first_progress is None:

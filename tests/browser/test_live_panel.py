@@ -179,8 +179,10 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         # %distrain debug: pdb on the rank that raised, its prompt the notebook's input box.
         run_cell(page, 4, wait=False)
         debug = outputs(page, 4)
-        for typed, answer in (("p 'rank is', rank", "('rank is', 1)"), ("up", None), ("q", None)):
-            box = debug.locator("input.jp-Stdin-input")
+        typed_in = (("p 'rank is', rank", "('rank is', 1)"), ("up", None), ("q", None))
+        for asked, (typed, answer) in enumerate(typed_in):
+            # Each prompt is a new input box; the answered ones stay above it.
+            box = debug.locator("input.jp-Stdin-input").nth(asked)
             box.wait_for(timeout=60_000)
             assert debug.locator(".jp-Stdin-prompt").last.inner_text().startswith(
                 "(rank 1) Pdb"
@@ -195,6 +197,10 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         assert f"> Cell In[{count}](3)<module>()" in said, said
         assert "-> raise ValueError('bad batch')" in said, said
 
+        # The last input box keeps the keyboard (JupyterLab leaves the answered box focused):
+        # Ctrl+S must reach the notebook, as a person's click on it does.
+        page.evaluate("() => document.activeElement.blur()")
+        cell(page, 4).locator(".jp-InputPrompt").click()
         save(page)
         browser.close()
     saved = nbformat.read(front_end.root / "panel.ipynb", as_version=4)

@@ -61,98 +61,207 @@ def _line(source: str, text: str) -> int:
 RAISES, CALLS = _line(TRAIN, "raise ValueError"), _line(TRAIN, "train(Config(), 5)")
 
 
-def test_post_mortem_in_a_real_kernel_typed_into_the_input_box(tmp_path):
-    from jupyter_client.manager import KernelManager
+class Kernel:
+    """A real Jupyter kernel; :meth:`run` answers its input requests (the notebook's input
+    box) from a list, as a person types them, and returns the cell's output, the prompts
+    shown and the reply."""
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
-    km = KernelManager(kernel_name="python3")
-    km.kernel_spec.argv[0] = sys.executable
-    km.start_kernel(env=env, cwd=str(tmp_path))
-    client = km.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
+    def __init__(self, folder) -> None:
+        from jupyter_client.manager import KernelManager
 
-        def run(code: str, answers: list[str] | None = None) -> tuple[str, list[str], dict]:
-            out: list[str] = []
-            prompts: list[str] = []
-            todo = list(answers or [])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+        self.km = KernelManager(kernel_name="python3")
+        self.km.kernel_spec.argv[0] = sys.executable
+        self.km.start_kernel(env=env, cwd=str(folder))
+        self.client = self.km.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
 
-            def output(msg: dict) -> None:
-                content = msg["content"]
-                if msg["msg_type"] == "stream":
-                    out.append(content["text"])
-                elif msg["msg_type"] == "error":
-                    out.append("\n".join(content["traceback"]))
+    def run(self, code: str, answers: list | None = None) -> tuple[str, list[str], dict]:
+        out: list[str] = []
+        prompts: list[str] = []
+        todo = list(answers or [])
 
-            def stdin(msg: dict) -> None:
-                prompts.append(msg["content"]["prompt"])
-                client.input(todo.pop(0))
+        def output(msg: dict) -> None:
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                out.append(content["text"])
+            elif msg["msg_type"] == "error":
+                out.append("\n".join(content["traceback"]))
 
-            reply = client.execute_interactive(
-                code, timeout=240, allow_stdin=True, output_hook=output, stdin_hook=stdin
-            )
-            assert not todo, f"input left unasked: {todo}; output: {''.join(out)}"
-            return "".join(out), prompts, reply["content"]
+        def stdin(msg: dict) -> None:
+            prompts.append(msg["content"]["prompt"])
+            answer = todo.pop(0) if todo else "c"
+            if isinstance(answer, tuple):  # (seconds to think, the line typed)
+                time.sleep(answer[0])
+                answer = answer[1]
+            self.client.input(answer)
 
-        assert run("%load_ext nbdist")[2]["status"] == "ok"
-        out, _, reply = run("%%distrain -n 2 --no-plot\n" + TRAIN)
-        assert reply["status"] == "error"
-        assert "rank 1 (host " in out and "raised ValueError: bad batch at step 3" in out
-        assert "To look at rank 1's variables where it raised: %distrain debug" in out
-        answers = [
-            "p step",
-            "p cfg",
-            "p type(net).__name__, rank",
-            "up",
-            "p kept",
-            "interact",
-            "total = sum(p.numel() for p in Net(Config(width=9)).parameters())",
-            "print('params', total)",
-            "exit()",
-            "w",
-            "q",
-        ]
-        out, prompts, reply = run("%distrain debug", answers)
-        assert reply["status"] == "ok", out
-        pdb, console = "(rank 1) Pdb ", "(rank 1) >>> "
-        assert prompts == [pdb] * 6 + [console] * 3 + [pdb] * 2
-        cell = "Cell In[2]"
-        lines = out.splitlines()
-        assert lines[:3] == [
-            f"{cell}: ValueError: bad batch at step 3",
-            f"> {cell}({RAISES})train()",
-            '-> raise ValueError(f"bad batch at step {step}")',
-        ], out
-        assert lines[3:9] == [
-            "3",
-            "Config(width=4, fail_at=3)",
-            "('Net', 1)",
-            f"> {cell}({CALLS})<module>()",
-            "-> train(Config(), 5)",
-            "41",
-        ], out
-        assert "*interactive* (exit() goes back to pdb)" in lines
-        assert "params 10" in lines
-        assert lines[-4:] == [  # `w`, after `up`: the cell's frame (the current one), then train's
-            f"> {cell}({CALLS})<module>()",
-            "-> train(Config(), 5)",
-            f"  {cell}({RAISES})train()",
-            '-> raise ValueError(f"bad batch at step {step}")',
-        ], out
-        # The session goes on: every rank's variables, the group, the next cell.
-        out, _, reply = run("%%distrain --no-plot -o after\nkept")
-        assert reply["status"] == "ok", out
-        out, _, _ = run("print(after.values)")
-        assert out.strip() == "[40, 41]"
-        # No cell failed since: nothing to look at, said so.
-        out, _, reply = run("%distrain debug")
-        assert reply["status"] == "error"
-        assert "the last %%distrain cell did not fail" in out
-    finally:
-        client.stop_channels()
-        km.shutdown_kernel(now=False)
+        reply = self.client.execute_interactive(
+            code, timeout=240, allow_stdin=True, output_hook=output, stdin_hook=stdin
+        )
+        assert not todo, f"input left unasked: {todo}; output: {''.join(out)}"
+        return "".join(out), prompts, reply["content"]
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = Kernel(tmp_path)
+    yield k
+    k.close()
+
+
+def test_post_mortem_in_a_real_kernel_typed_into_the_input_box(kernel):
+    run = kernel.run
+    assert run("%load_ext nbdist")[2]["status"] == "ok"
+    out, _, reply = run("%%distrain -n 2 --no-plot\n" + TRAIN)
+    assert reply["status"] == "error"
+    assert "rank 1 (host " in out and "raised ValueError: bad batch at step 3" in out
+    assert "To look at rank 1's variables where it raised: %distrain debug" in out
+    answers = [
+        "p step",
+        "p cfg",
+        "p type(net).__name__, rank",
+        "up",
+        "p kept",
+        "interact",
+        "total = sum(p.numel() for p in Net(Config(width=9)).parameters())",
+        "print('params', total)",
+        "exit()",
+        "w",
+        "q",
+    ]
+    out, prompts, reply = run("%distrain debug", answers)
+    assert reply["status"] == "ok", out
+    pdb, console = "(rank 1) Pdb ", "(rank 1) >>> "
+    assert prompts == [pdb] * 6 + [console] * 3 + [pdb] * 2
+    cell = "Cell In[2]"
+    lines = out.splitlines()
+    assert lines[:3] == [
+        f"{cell}: ValueError: bad batch at step 3",
+        f"> {cell}({RAISES})train()",
+        '-> raise ValueError(f"bad batch at step {step}")',
+    ], out
+    assert lines[3:9] == [
+        "3",
+        "Config(width=4, fail_at=3)",
+        "('Net', 1)",
+        f"> {cell}({CALLS})<module>()",
+        "-> train(Config(), 5)",
+        "41",
+    ], out
+    assert "*interactive* (exit() goes back to pdb)" in lines
+    assert "params 10" in lines
+    assert lines[-4:] == [  # `w`, after `up`: the cell's frame (the current one), then train's
+        f"> {cell}({CALLS})<module>()",
+        "-> train(Config(), 5)",
+        f"  {cell}({RAISES})train()",
+        '-> raise ValueError(f"bad batch at step {step}")',
+    ], out
+    # The session goes on: every rank's variables, the group, the next cell.
+    out, _, reply = run("%%distrain --no-plot -o after\nkept")
+    assert reply["status"] == "ok", out
+    out, _, _ = run("print(after.values)")
+    assert out.strip() == "[40, 41]"
+    # No cell failed since: nothing to look at, said so.
+    out, _, reply = run("%distrain debug")
+    assert reply["status"] == "error"
+    assert "the last %%distrain cell did not fail" in out
+
+
+BREAK = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x)
+
+model = nn.parallel.DistributedDataParallel(Net())
+t = torch.ones(1)
+for step in range(3):
+    if rank == 1 and step == 1:
+        breakpoint()
+    t = t * 2
+    dist.all_reduce(t)
+    model(torch.ones(2, 4)).sum().backward()
+total = t.item()
+"""
+
+
+def test_breakpoint_pauses_the_rank_and_prompts_in_the_notebook(kernel):
+    """Rank 1 stops at its breakpoint and the notebook prompts for it; rank 0 waits in the
+    all-reduce meanwhile. pdb's `n` steps (a new stop, a new prompt), `c` lets the rank go on,
+    and the cell ends as if nothing had paused it: the all-reduces are right on every rank,
+    and no stall was seen although a rank sat at the prompt past --stall."""
+    run = kernel.run
+    assert run("%load_ext nbdist")[2]["status"] == "ok"
+    answers = [
+        (3.0, "p step, rank"),  # a person reads the prompt for longer than --stall
+        "p t",
+        "n",
+        "p 'stepped'",
+        "interact",
+        "print(world_size)",
+        "exit()",
+        "c",
+    ]
+    out, prompts, reply = run("%%distrain -n 2 --no-plot --stall 2\n" + BREAK, answers)
+    assert reply["status"] == "ok", out
+    pdb = "(rank 1) Pdb "
+    assert prompts == [pdb] * 5 + ["(rank 1) >>> "] * 2 + [pdb], (prompts, out)
+    stop = _line(BREAK, "t = t * 2")
+    assert f"> Cell In[2]({stop})<module>()\n-> t = t * 2\n" in out, out
+    assert "\n(1, 1)\n" in out and "\ntensor([4.])\n" in out, out
+    assert f"> Cell In[2]({stop + 1})<module>()\n-> dist.all_reduce(t)\n" in out, out
+    assert "\n'stepped'\n" in out and "\n2\n" in out, out
+    assert "stall" not in out.lower(), out
+    # 1 → 2 → 4 (the all-reduce sums two ranks' 2) → 8 → 16 → 32 → 64 on every rank.
+    out, _, _ = run("%%distrain --no-plot -o after\ntotal")
+    out, _, _ = run("print(after.values)")
+    assert out.strip() == "[64.0, 64.0]"
+    # Two ranks at a breakpoint: taken one after the other, each prompt naming its rank
+    both = "%%distrain --no-plot\nmine = rank * 10\nbreakpoint()\nt = torch.ones(1)\n"
+    both += "dist.all_reduce(t)\n"
+    out, prompts, reply = run(both, ["p mine", "c", "p mine", "c"])
+    assert reply["status"] == "ok", out
+    # (in the order they reached it: the lowest first of those waiting when the notebook looks)
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3], (prompts, out)
+    assert sorted({prompts[0], prompts[2]}) == ["(rank 0) Pdb ", "(rank 1) Pdb "], out
+    assert "\n0\n" in out and "\n10\n" in out, out
+
+
+def test_q_at_a_breakpoint_stops_the_cell_as_stop_does(kernel):
+    run = kernel.run
+    assert run("%load_ext nbdist")[2]["status"] == "ok"
+    # The breakpoint comes after 1.5 s of steps: the notebook has seen both ranks step (a
+    # Stop before that is an interrupt, as the Stop button's is).
+    cell = """%%distrain -n 2 --no-plot
+import time
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100):
+    time.sleep(0.05)
+    if rank == 0 and step == 30:
+        breakpoint()
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+"""
+    out, prompts, reply = run(cell, ["p step", "q"])
+    assert prompts == ["(rank 0) Pdb "] * 2, (prompts, out)
+    assert "nbdist: stopping the cell at the next step boundary (rank 0 goes on to it)" in out
+    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", out
+    assert "every rank stopped after step" in out, out
+    assert "The workers' variables are kept" in out, out
+    out, _, _ = run("same = %distrain compare model\nprint(same.identical)")
+    assert out.strip() == "True", out
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +353,7 @@ def test_the_engine_that_failed_is_gone(ready, magics, capsys):
     assert ready.user_ns["r"].values == [40, 40]
 
 
-def test_where_after_a_stop_and_a_breakpoint_said(ready, magics, capsys):
+def test_where_after_a_stop_and_a_breakpoint_without_an_input_box(ready, magics, capsys):
     build = """
 class Net(nn.Module):
     def __init__(self):
@@ -290,18 +399,19 @@ def train_step():
         assert lines[at + 3].startswith("    torch/optim/optimizer.py:")
     with pytest.raises(UsageError, match="after a Stop, %distrain where shows where each rank"):
         ready.run_line_magic("distrain", "debug")
-    # breakpoint(): said once per line on every rank, and the cell goes on.
+    # breakpoint() where the front end has no input box (this shell's stdin cannot be read):
+    # said once for the cell, and every rank goes on past its breakpoints.
     ready.run_cell_magic(
         "distrain", "--no-plot", "for i in range(3):\n    breakpoint()\ndone = i\n"
     )
-    out = capsys.readouterr()
-    said = [line for line in out.err.splitlines() if "breakpoint()" in line]
-    assert said == [
-        f"[ranks 0,1] nbdist: breakpoint() at {cell_in(ready)}, line 3 does not stop a "
-        "%%distrain cell (the workers have no input box while a cell runs); the cell goes on. "
-        "To look at the variables at that line: raise there (raise RuntimeError('look')), "
-        "then %distrain debug."
-    ], out
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "no input box" in line]
+    assert len(said) == 1, out
+    assert said[0].endswith(
+        "stopped at a breakpoint, and this front end has no input box for the debugger's "
+        "prompt: the ranks go on past their breakpoints in this cell (c). Run the notebook in "
+        "JupyterLab, Notebook 7 or VS Code to type pdb commands there."
+    ), out
     ready.run_cell_magic("distrain", "--no-plot -o r", "done")
     assert ready.user_ns["r"].values == [2, 2]
     # A cell that ended normally leaves no stack.

@@ -115,16 +115,21 @@ def test_a_library_frame_below_the_cell_is_shown_short(failed):
     assert all(not line.startswith("    /") for line in lines[2:])
 
 
-def test_breakpoint_is_said_once_per_line_and_the_cell_goes_on(failed, capsys):
+@pytest.mark.parametrize("channel", [None, ("/nonexistent/nbdist-bp/s", b"key")])
+def test_breakpoint_without_the_notebooks_socket_is_said_once_per_line(failed, capsys, channel):
+    """No channel with the cell, or its socket not on this machine (an engine on another
+    host): the breakpoint is said, once per line, and the cell goes on."""
+    from nbdist.engine.breakpoints import breakpoints
+
     engine_state().cell_labels[CELL] = "Cell In[9]"
-    with debugging.breakpoints_said():
+    with breakpoints(0, channel):
         out = run_source("for i in range(3):\n    breakpoint()\ni\n", CELL, {}, first_line=2)
     assert out == 2
     said = capsys.readouterr().err.splitlines()
     assert said == [
-        "nbdist: breakpoint() at Cell In[9], line 3 does not stop a %%distrain cell (the "
-        "workers have no input box while a cell runs); the cell goes on. To look at the "
-        "variables at that line: raise there (raise RuntimeError('look')), then "
+        "nbdist: breakpoint() at Cell In[9], line 3 does not stop a %%distrain cell here (the "
+        "notebook's prompt reaches only workers on its own machine); the cell goes on. To look "
+        "at the variables at that line: raise there (raise RuntimeError('look')), then "
         "%distrain debug."
     ]
     assert sys.breakpointhook is sys.__breakpointhook__
@@ -150,3 +155,73 @@ def test_the_panel_row_says_where_a_rank_waits():
     ) in html
     assert "<td>running<br><small>at line 7: x = a &lt; b</small></td>" in html
     assert "<small>" not in table_html(agg, ["running", "running"], now=105.0)
+
+
+def test_the_notebooks_desk_prompts_for_a_rank_and_refuses_a_wrong_key():
+    """The two ends of breakpoint(), in one process: a "rank" (a thread running cell code
+    under nbdist.engine.breakpoints) and the notebook's desk, over its real Unix socket."""
+    import os
+    import stat
+    import threading
+    import time
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from nbdist.engine.breakpoints import breakpoints
+    from nbdist.engine.waiting import place
+    from nbdist.kernel.breakpoints import Desk
+    from nbdist.protocol import Waiting
+
+    desk = Desk()
+    path, key = desk.channel()
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        with pytest.raises(AuthenticationError):
+            Client(path, family="AF_UNIX", authkey=b"not the session's key")
+        engine_state().cell_labels[CELL] = "Cell In[3]"
+        result: dict = {}
+
+        def rank_one() -> None:
+            with breakpoints(1, (path, key)):
+                run_source("x = 20\nbreakpoint()\ny = x + 1\nz = y * 2\n", CELL, result, 2)
+
+        worker = threading.Thread(target=rank_one)
+        worker.start()
+        typed = iter(["p x", "n", "p y", "c"])
+        prompts: list[str] = []
+        shown: list[str] = []
+        stops: list[str] = []
+
+        def ask(prompt: str) -> str:
+            prompts.append(prompt)
+            if len(prompts) == 1:  # where the paused rank is, as the live panel reads it
+                frame = sys._current_frames()[worker.ident]
+                places.append(place(frame, CELL))
+            return next(typed)
+
+        places: list = []
+
+        deadline = time.monotonic() + 20
+        while worker.is_alive() and time.monotonic() < deadline:
+            desk.serve(shown.append, lambda: stops.append("stop"), ask=ask)
+            time.sleep(0.01)
+        worker.join(5)
+        assert (result["y"], result["z"]) == (21, 42)
+        assert prompts == ["(rank 1) Pdb "] * 4
+        assert shown == [
+            "> Cell In[3](4)<module>()\n-> y = x + 1",
+            "20",
+            "> Cell In[3](5)<module>()\n-> z = y * 2",
+            "21",
+        ]
+        assert places == [
+            Waiting(
+                line=4, line_text="y = x + 1", collective="the debugger (the notebook's prompt)"
+            )
+        ]
+        desk.serve(shown.append, lambda: stops.append("stop"), ask=ask)  # the last "resumed"
+        assert stops == [] and not desk.active
+    finally:
+        desk.close()
+        engine_state().cell_labels.pop(CELL, None)
+    assert not os.path.exists(path)
