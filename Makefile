@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/curve_cost.py
 	$(PY) benchmarks/launchers.py
 	$(PY) benchmarks/profile_overhead.py
+	$(PY) benchmarks/flight_recorder.py
 
 # The kernel's side at 8..1024 ranks (simulated ranks, plus 2 real engines for the transport):
 # build/bench/scale.{json,md}, about 2 minutes.

@@ -76,7 +76,18 @@ class JobTimeout(DistrainError):
 
 class JobStalled(JobTimeout):
     """A rank made no progress (no logged step, no backward, no Keras batch) for ``--stall``
-    seconds while the job ran; every rank was stopped."""
+    seconds while the job ran; every rank was stopped.
+
+    ``flight`` is what torch's flight recorder saw on the waiting ranks (each one's last
+    collective, numbered), shown with the error; empty where no recorder said."""
+
+    flight: str = ""
+
+    def _render_traceback_(self) -> list[str]:
+        lines = f"{type(self).__name__}: {Exception.__str__(self)}".splitlines()
+        if self.flight:
+            lines.append(self.flight)
+        return [*lines, *self.state.splitlines()]
 
 
 class RanksDisagree(JobStalled):

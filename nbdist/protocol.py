@@ -341,6 +341,8 @@ class Waiting:
     line: int
     line_text: str
     collective: str | None = None
+    # torch's flight recorder: the last collective this rank entered ("#12 gloo:all_reduce")
+    flight: str | None = None
 
 
 @dataclass(frozen=True)

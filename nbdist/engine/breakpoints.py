@@ -100,6 +100,6 @@ def breakpoints(rank: int, channel: tuple[str, bytes] | None) -> Iterator[None]:
         yield
     finally:
         sys.breakpointhook = saved
-        sys.settrace(None)  # a debugger still tracing (a `n` at the cell's last line) ends here
         if conn is not None:
+            sys.settrace(None)  # a debugger still tracing (`n` at the cell's last line) ends
             conn.close()

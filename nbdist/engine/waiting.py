@@ -14,10 +14,12 @@ right for it.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from nbdist.engine import ticker
@@ -76,6 +78,32 @@ class WhereReporter:
         now = place(frame, self._filename) if frame is not None else None
         del frame
         if now is not None and now == self._seen and now != self._published:
-            self._publish({WHERE_KEY: now})
+            self._publish({WHERE_KEY: replace(now, flight=flight())})
             self._published = now
         self._seen = now
+
+
+def flight() -> str | None:
+    """The last collective torch's flight recorder saw this rank enter, ``"#12
+    gloo:all_reduce"`` (its state too where the backend keeps one: NCCL's "started"); None
+    where torch records none (``TORCH_FR_BUFFER_SIZE`` unset when the group was made, an older
+    torch) or no group is up. Comparing the ranks' numbers shows which one is behind."""
+    dist = sys.modules.get("torch.distributed")
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    if dist is None or c10d is None or not dist.is_initialized():
+        return None
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
+        c10d, "_dump_nccl_trace_json", None
+    )
+    if dump is None:
+        return None
+    try:
+        entries = json.loads(dump(True, False)).get("entries") or []
+    except Exception:  # noqa: BLE001 - no record to read: the place is still worth saying
+        return None
+    if not entries:
+        return None
+    last = entries[-1]
+    state = last.get("state")
+    said = f"#{last.get('collective_seq_id')} {last.get('profiling_name')}"
+    return said if state in (None, "scheduled") else f"{said} ({state})"

@@ -168,9 +168,15 @@ def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | 
             )
         return WorkerDied(f"{where} died during the job" + (f": {how}" if how else ""))
     if watch.reason == Reason.STALLED and watch.stalled is not None:
+        stall: JobStalled
         if opts.on is None and disagreement(watch.stalled):
-            return RanksDisagree(disagree_message(watch.stalled, opts.stall, outcome))
-        return JobStalled(stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on))
+            stall = RanksDisagree(disagree_message(watch.stalled, opts.stall, outcome))
+        else:
+            stall = JobStalled(
+                stall_message(watch.stalled, opts.stall, stopped, job_ranks, on=opts.on)
+            )
+        stall.flight = flight_line(watch.stalled)
+        return stall
     if (
         watch.reason in (None, Reason.FAILURE)  # None: the last rank to end was the one that failed
         and opts.on is None
@@ -179,7 +185,9 @@ def error_for(outcome: Outcome, opts: Any, cluster: Cluster) -> DistrainError | 
         and outcome.failures
         and all(lost_peer(f) for f in outcome.failures)
     ):  # the only errors are collectives that timed out waiting for ranks that had finished
-        return RanksDisagree(disagree_message(watch.stalled, None, outcome))
+        disagree = RanksDisagree(disagree_message(watch.stalled, None, outcome))
+        disagree.flight = flight_line(watch.stalled)
+        return disagree
     if outcome.failures:  # a KeyboardInterrupt here came from the cell itself, not from nbdist
         return WorkerError(outcome.failures, stopped=stopped)
     if watch.reason == Reason.TIMEOUT:
@@ -284,6 +292,27 @@ def _waits_in(where: Waiting | None, cell: str) -> str:
         return ""
     what = f" in {where.collective}" if where.collective else ""
     return f"{what} ({cell}, line {where.line}: {where.line_text})"
+
+
+def flight_line(stalled: Stall) -> str:
+    """What torch's flight recorder saw: each stalled rank's last collective, numbered, and
+    how far behind the others a rank is ("" where no rank's recorder said)."""
+    seen = {r: w.flight for r, w in sorted(stalled.where.items()) if w is not None and w.flight}
+    if not seen:
+        return ""
+    line = "torch's flight recorder, each rank's last collective: " + ", ".join(
+        f"rank {r} {f}" for r, f in seen.items()
+    )
+    numbers = {r: int(m.group(1)) for r, f in seen.items() if (m := re.match(r"#(\d+) ", f))}
+    if len(numbers) > 1 and len(set(numbers.values())) > 1:
+        top = max(numbers.values())
+        behind = [
+            f"rank {r} is {top - n} collective{'s' if top - n > 1 else ''} behind"
+            for r, n in numbers.items()
+            if n < top
+        ]
+        line += f" ({'; '.join(behind)})"
+    return line + "."
 
 
 def _collectives(stalled: Stall) -> dict[int, str]:

@@ -607,6 +607,7 @@ def _ipp_cluster(n: int, *, encrypt: bool, network: Any, profile: Any) -> Any:
     from traitlets.config import Config
 
     config = Config()
+    config.LocalControllerLauncher.environment = _signing_key()
     # Engines that ran a collective may ignore SIGTERM: don't wait 5 s before SIGKILL.
     config.LocalProcessLauncher.stop_seconds_until_kill = 1
     config.LocalEngineSetLauncher.engine_cmd = engine_command()
@@ -635,6 +636,20 @@ def _ipp_cluster(n: int, *, encrypt: bool, network: Any, profile: Any) -> Any:
         # stayed behind (kernel shut down 1 s after %load_ext).
         shutdown_atexit=False,
     )
+
+
+def _signing_key() -> dict[str, str]:
+    """A message-signing key of the cluster's own, for the controller's environment (a
+    process's environment is readable by its user only; a command line is not).
+
+    With CurveZMQ on, ipyparallel drops the digest key unless one is given, and every client
+    and engine then warns "Message signing is disabled. This is insecure". CurveZMQ
+    authenticates and encrypts; the key signs each message as well, as Jupyter's kernels do.
+    The controller writes it into the connection files (in the private profile folder), from
+    which the engines and the notebook's client take it."""
+    import secrets
+
+    return {"IPP_SESSION_KEY": secrets.token_hex(32)}
 
 
 def engine_command() -> list[str]:

@@ -14,7 +14,7 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist import WorkerError
+from nbdist import JobStalled, WorkerError
 from nbdist.engine import session_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cluster, pytest.mark.torch]
@@ -310,3 +310,37 @@ def test_profile_on_cuda_measures_kernels_and_nccl(on_gpus, gpus, tmp_path, monk
         if len(gpus) > 1:
             assert any("nccl" in n.lower() for n in names), sorted(names)[:20]
             assert r.communication_ms + r.overlapped_ms + r.waiting_ms > 0
+
+
+def test_a_stall_on_nccl_says_what_the_flight_recorder_saw(on_gpus, gpus):
+    """The last rank sleeps before its 6th all-reduce; the others wait in it. The stall's
+    report reads each rank's last collective from torch's flight recorder, numbered: the
+    sleeping rank is one behind."""
+    n = len(gpus)
+    if n < 2:
+        pytest.skip(f"a stall needs two ranks, and this machine has {n} GPU")
+    cell = textwrap.dedent(
+        """
+        import time
+        t = torch.ones(1, device=device)
+        for step in range(20):
+            if rank == world_size - 1 and step == 5:
+                time.sleep(3600)
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+            log(loss=1.0)
+        """
+    )
+    with pytest.raises(JobStalled) as info:
+        on_gpus.run_cell_magic("distrain", f"--stall 5 {CELL_LIMIT}", cell)
+    flight = info.value.flight
+    said = re.fullmatch(
+        r"torch's flight recorder, each rank's last collective: (.*) \((.*)\)\.", flight
+    )
+    assert said, flight
+    ranks = dict(re.findall(r"rank (\d+) #(\d+) nccl:all_reduce", said.group(1)))
+    assert len(ranks) == n, flight
+    last = ranks.pop(str(n - 1))
+    assert all(int(seq) == int(last) + 1 for seq in ranks.values()), flight
+    assert said.group(2) == f"rank {n - 1} is 1 collective behind", flight
+    assert flight in "\n".join(info.value._render_traceback_())

@@ -9,6 +9,7 @@ way the notebook's input box does (``input_reply`` on the stdin channel).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -17,7 +18,7 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist import JobInterrupted, WorkerError
+from nbdist import JobInterrupted, JobStalled, WorkerError
 from tests.cells import cell_in
 from tests.procs import once, wait_until
 
@@ -222,6 +223,7 @@ def test_breakpoint_pauses_the_rank_and_prompts_in_the_notebook(kernel):
     assert f"> Cell In[2]({stop + 1})<module>()\n-> dist.all_reduce(t)\n" in out, out
     assert "\n'stepped'\n" in out and "\n2\n" in out, out
     assert "stall" not in out.lower(), out
+    assert "the others waiting" not in out, out  # no straggler from the paused steps
     # 1 → 2 → 4 (the all-reduce sums two ranks' 2) → 8 → 16 → 32 → 64 on every rank.
     out, _, _ = run("%%distrain --no-plot -o after\ntotal")
     out, _, _ = run("print(after.values)")
@@ -459,3 +461,29 @@ for step in range(3):
     ), said[-1]
     assert "<tr><td>1</td><td>running<br><small>at line 7: time.sleep(6)</small></td>" in said[-1]
     assert "<small>" not in rows[0]  # said only once a rank has not stepped for a while
+
+
+def test_a_stall_says_what_the_flight_recorder_saw(ready, magics):
+    """torch records gloo's collectives too (torch >= 2.7): the stall's report numbers each
+    rank's last one, and says which rank is behind, by how many."""
+    cell = """
+import time
+t = torch.ones(1)
+for step in range(20):
+    if rank == 1 and step == 5:
+        time.sleep(3600)
+    dist.all_reduce(t)
+    log(loss=1.0)
+"""
+    with pytest.raises(JobStalled) as info:
+        ready.run_cell_magic("distrain", "--no-plot --stall 3", cell)
+    flight = info.value.flight
+    said = re.fullmatch(
+        r"torch's flight recorder, each rank's last collective: rank 0 #(\d+) gloo:all_reduce, "
+        r"rank 1 #(\d+) gloo:all_reduce \(rank 1 is 1 collective behind\)\.",
+        flight,
+    )
+    assert said and int(said.group(1)) == int(said.group(2)) + 1, flight
+    rendered = info.value._render_traceback_()
+    assert rendered[1] == flight and rendered[0].startswith("JobStalled: no progress for 3 s")
+    assert flight not in str(info.value)  # the message itself is as before

@@ -57,6 +57,36 @@ def test_engine_output_is_private_and_goes_with_the_cluster(shell, magics, tmp_p
     assert not profile.exists()
 
 
+def test_every_message_is_signed_as_well_as_encrypted(shell, magics, caplog):
+    """CurveZMQ on, and a signing key too: ipyparallel would drop the key with CurveZMQ, and
+    the client and every engine then warned "Message signing is disabled. This is insecure".
+    The key is in the private connection files, on no command line."""
+    import json
+    import logging
+
+    import psutil
+
+    with caplog.at_level(logging.WARNING):
+        shell.run_line_magic("distrain", "restart -n 2")
+        shell.run_cell_magic("distrain", "--no-plot", "x = rank\n")
+    warned = [r.getMessage() for r in caplog.records if "signing is disabled" in r.getMessage()]
+    assert warned == []
+    cluster = magics.cluster
+    security = cluster._reaper.record.profile / "security"
+    keys = {json.loads(f.read_text())["key"] for f in security.glob("ipcontroller-*.json")}
+    assert len(keys) == 1 and len(keys.pop()) == 64
+    # The engines' log says they check signatures, and no process has the key on its command
+    # line.
+    logs = "".join(p.read_text() for p in (security.parent / "log").glob("ipengine-*.log"))
+    assert "signing is disabled" not in logs
+    key = json.loads(next(security.glob("ipcontroller-*-engine.json")).read_text())["key"]
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            assert key not in " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+
+
 def test_export_never_writes_through_a_planted_link(shell, magics, tmp_path):
     """A dangling link in a shared folder, named like the script: export refuses it (it used to
     follow it and create the link's target, a startup file of the victim's); with --force the

@@ -225,3 +225,29 @@ def test_the_notebooks_desk_prompts_for_a_rank_and_refuses_a_wrong_key():
         desk.close()
         engine_state().cell_labels.pop(CELL, None)
     assert not os.path.exists(path)
+
+
+def test_the_flight_recorders_line_says_who_is_behind():
+    from nbdist.kernel.failures import flight_line
+    from nbdist.protocol import Stall, Waiting
+
+    def stall(**flights: str | None) -> Stall:
+        where = {
+            int(r[1:]): None if f is None else Waiting(line=3, line_text="x", flight=f)
+            for r, f in flights.items()
+        }
+        return Stall(ranks=[0], steps={}, idle={}, framework="torch", release_s=1.0, where=where)
+
+    assert flight_line(stall(r0=None, r1=None)) == ""
+    assert flight_line(stall(r0="#9 gloo:all_reduce", r1="#9 gloo:all_reduce")) == (
+        "torch's flight recorder, each rank's last collective: rank 0 #9 gloo:all_reduce, "
+        "rank 1 #9 gloo:all_reduce."
+    )
+    assert flight_line(
+        stall(r2="#12 nccl:all_reduce (started)", r0="#12 nccl:all_reduce (started)",
+              r1="#9 nccl:broadcast (completed)")
+    ) == (  # fmt: skip
+        "torch's flight recorder, each rank's last collective: rank 0 #12 nccl:all_reduce "
+        "(started), rank 1 #9 nccl:broadcast (completed), rank 2 #12 nccl:all_reduce "
+        "(started) (rank 1 is 3 collectives behind)."
+    )
