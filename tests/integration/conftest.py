@@ -26,3 +26,11 @@ def _no_dead_rank_carried_over(request):
     cluster = shell.magics_manager.registry["DistrainMagics"].cluster
     if cluster.running and cluster.engines and cluster.dead(range(cluster.size)):
         shell.run_line_magic("distrain", "stop")
+
+
+@pytest.fixture(scope="module")
+def ready(shell):
+    """A 2-worker cluster with torch warmed up, shared by one module's tests."""
+    shell.run_line_magic("distrain", "start -n 2")
+    shell.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
+    return shell

@@ -175,7 +175,8 @@ def test_post_mortem_in_a_real_kernel_typed_into_the_input_box(kernel):
     assert "the last %%distrain cell did not fail" in out
 
 
-BREAK = """
+# A model class of the cell's own, as users write them.
+NET = """
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -183,7 +184,9 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.lin(x)
+"""
 
+BREAK = NET + """
 model = nn.parallel.DistributedDataParallel(Net())
 t = torch.ones(1)
 for step in range(3):
@@ -264,13 +267,6 @@ for step in range(100):
     assert "The workers' variables are kept" in out, out
     out, _, _ = run("same = %distrain compare model\nprint(same.identical)")
     assert out.strip() == "True", out
-
-
-@pytest.fixture(scope="module")
-def ready(shell):
-    shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
-    return shell
 
 
 def _lines(capsys) -> list[str]:
@@ -356,15 +352,7 @@ def test_the_engine_that_failed_is_gone(ready, magics, capsys):
 
 
 def test_where_after_a_stop_and_a_breakpoint_without_an_input_box(ready, magics, capsys):
-    build = """
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.lin(x)
-
+    build = NET + """
 model = nn.parallel.DistributedDataParallel(Net())
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -423,18 +411,24 @@ def train_step():
     ]
 
 
-def test_the_live_panel_says_where_a_rank_waits(ready, magics):
-    """Rank 1 sleeps before its all-reduce; rank 0 waits in it. Before any --stall, the
-    panel's row for each says where it is."""
-    cell = """
+def _rank_1_sleeps(*, steps: int, at: int, seconds: int) -> str:
+    """A cell whose rank 1 sleeps before the all-reduce of step ``at`` (its line 7), while
+    rank 0 waits in it (line 8)."""
+    return f"""
 import time
 t = torch.ones(1)
-for step in range(3):
-    if rank == 1 and step == 1:
-        time.sleep(6)
+for step in range({steps}):
+    if rank == 1 and step == {at}:
+        time.sleep({seconds})
     dist.all_reduce(t)
     log(loss=1.0)
 """
+
+
+def test_the_live_panel_says_where_a_rank_waits(ready, magics):
+    """Rank 1 sleeps before its all-reduce; rank 0 waits in it. Before any --stall, the
+    panel's row for each says where it is."""
+    cell = _rank_1_sleeps(steps=3, at=1, seconds=6)
     tables: list[str] = []
     stop = threading.Event()
 
@@ -466,15 +460,7 @@ for step in range(3):
 def test_a_stall_says_what_the_flight_recorder_saw(ready, magics):
     """torch records gloo's collectives too (torch >= 2.7): the stall's report numbers each
     rank's last one, and says which rank is behind, by how many."""
-    cell = """
-import time
-t = torch.ones(1)
-for step in range(20):
-    if rank == 1 and step == 5:
-        time.sleep(3600)
-    dist.all_reduce(t)
-    log(loss=1.0)
-"""
+    cell = _rank_1_sleeps(steps=20, at=5, seconds=3600)
     with pytest.raises(JobStalled) as info:
         ready.run_cell_magic("distrain", "--no-plot --stall 3", cell)
     flight = info.value.flight

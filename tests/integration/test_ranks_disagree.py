@@ -58,13 +58,6 @@ def uneven(loop: str = LOOP) -> str:
     return UNEVEN.replace("LOOP", loop)
 
 
-@pytest.fixture(scope="module")
-def ready(shell):
-    shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
-    return shell
-
-
 def _pids(magics) -> list[int]:
     return [e.pid for e in magics.cluster.engines]
 

@@ -46,14 +46,6 @@ def train_cell(epochs=4, hook="pass"):
     return TRAIN.replace("FAIL_EPOCHS", str(epochs)).replace("FAIL_HOOK", hook)
 
 
-@pytest.fixture(scope="module")
-def ready(shell):
-    """A 2-worker cluster with torch warmed up, shared by this module's tests."""
-    shell.run_line_magic("distrain", "start -n 2")
-    shell.run_cell_magic("distrain", "-n 2 --framework torch", "x = 1\n")
-    return shell
-
-
 def _engines_idle(magics, within: float) -> float:
     """Seconds until every engine reports no running task (fails after ``within``)."""
     start = time.monotonic()
