@@ -6,7 +6,8 @@ it), Stop (which asks the server to interrupt the kernel) stops every rank after
 the final figure takes the live one's place at the same size, the summary and the Stop message
 name the same step, the next cell finds the replicas identical, a cell that fails is named as
 the notebook numbers it (``Cell In[4], line 3``), ``%distrain debug`` prompts ``(rank 1) Pdb``
-in the notebook's input box and answers the pdb commands typed there, and the notebook, saved
+in the notebook's input box and answers the pdb commands typed there, as does a rank paused at
+``breakpoint()``, and the notebook, saved
 as a person saves it, is valid. Screenshots go to ``build/browser/``.
 """
 
@@ -56,7 +57,10 @@ def front_end(request, tmp_path):
     pytest.importorskip("jupyterlab" if request.param == "lab" else "notebook")
     write_notebook(
         tmp_path / "panel.ipynb",
-        ["%load_ext nbdist", CELL, "%distrain compare model", FAILING, "%distrain debug"],
+        [
+            "%load_ext nbdist", CELL, "%distrain compare model", FAILING, "%distrain debug",
+            BREAKPOINT,
+        ],  # fmt: skip
     )
     server = Jupyter(tmp_path, request.param)
     yield server
@@ -64,6 +68,7 @@ def front_end(request, tmp_path):
 
 
 FAILING = "%%distrain\nif rank == 1:\n    raise ValueError('bad batch')\n"
+BREAKPOINT = "%%distrain\nx = rank * 10\nif rank == 1:\n    breakpoint()\ny = x + 1\n"
 
 # Records, in the page, when the panel's table and its image change (ms since the page's start).
 WATCH = """() => {
@@ -197,10 +202,27 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         assert f"> Cell In[{count}](3)<module>()" in said, said
         assert "-> raise ValueError('bad batch')" in said, said
 
+        # breakpoint() in a cell: rank 1 pauses there and the notebook prompts for it.
+        run_cell(page, 5, wait=False)
+        paused = outputs(page, 5)
+        for asked, (typed, answer) in enumerate((("p x, rank", "(10, 1)"), ("c", None))):
+            box = paused.locator("input.jp-Stdin-input").nth(asked)
+            box.wait_for(timeout=60_000)
+            assert paused.locator(".jp-Stdin-prompt").last.inner_text().startswith(
+                "(rank 1) Pdb"
+            ), paused.inner_text()
+            box.fill(typed)
+            box.press("Enter")
+            if answer is not None:
+                paused.get_by_text(answer).wait_for(timeout=30_000)
+                page.screenshot(path=str(SHOTS / f"{app}_6_breakpoint.png"))
+        wait_idle(page, 5, timeout=60)
+        said = paused.inner_text()
+        assert "-> y = x + 1" in said, said
         # The last input box keeps the keyboard (JupyterLab leaves the answered box focused):
         # Ctrl+S must reach the notebook, as a person's click on it does.
         page.evaluate("() => document.activeElement.blur()")
-        cell(page, 4).locator(".jp-InputPrompt").click()
+        cell(page, 5).locator(".jp-InputPrompt").click()
         save(page)
         browser.close()
     saved = nbformat.read(front_end.root / "panel.ipynb", as_version=4)
