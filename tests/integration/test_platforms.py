@@ -229,11 +229,13 @@ def test_a_download_in_an_isolated_network_says_where_the_workers_are(shell, mag
         with pytest.raises(WorkerError) as info:
             shell.run_cell_magic("distrain", "--no-plot", cell)
         rendered = info.value._render_traceback_()
-        assert rendered[-2] == (
+        # The cause's note, then where to look further, then what became of the variables.
+        assert rendered[-3:-1] == [
             "The workers run in a network of their own with no way out: download in a "
             "notebook cell (the workers see the notebook's files), or restart them on this "
-            "machine's network: %distrain restart --network host."
-        )
+            "machine's network: %distrain restart --network host.",
+            "To look at rank 0's variables where it raised: %distrain debug",
+        ]
     finally:
         shell.run_line_magic("distrain", "stop")
         shell.run_line_magic("distrain", "restart -n 2 --network private")
