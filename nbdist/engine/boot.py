@@ -32,7 +32,8 @@ def main() -> None:
         sys.exit(1)
     from nbdist.engine import stopping
 
-    stopping.install()  # a graceful stop's signal must never end the engine
+    # A graceful stop's signal must never end the engine, nor the nanny it starts.
+    stopping.ignore_until_the_first_cell()
     framework = os.environ.pop("NBDIST_PRELOAD", "")
     if framework:
         try:

@@ -223,6 +223,19 @@ def _on_signal(signum: int, frame: Any) -> None:
         stopper.requested = True
 
 
+def ignore_until_the_first_cell() -> None:
+    """At the engine's start: :data:`STOP_SIGNAL` ignored, not yet handled.
+
+    The processes an engine starts inherit an ignored signal across ``exec``, but not a
+    handler: ipyparallel's nanny, which each engine starts as it registers, so keeps ignoring
+    it. Slurm sends its time-limit warning to every process of the job step, and a nanny that
+    died of it failed its engine's registration ("nanny failed") or left a running engine
+    without its control channel. The first cell installs the handler (:func:`begin`); between
+    runs a stop request means nothing anyway."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+
+
 def install() -> None:
     """Take :data:`STOP_SIGNAL` for good (its default would end the engine): between runs a
     stop request is ignored. Main thread only; elsewhere a no-op."""

@@ -17,7 +17,7 @@ import pytest
 from nbdist import JobInterrupted
 from nbdist.kernel.job import GRACEFUL_WAIT_S
 from tests.fsdp import fully_shard_import
-from tests.procs import once, once_written
+from tests.procs import once, once_written, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -249,3 +249,31 @@ def test_a_cell_with_no_step_boundary_is_interrupted_at_once(fresh_session):
         )
     sender.join()
     assert time.monotonic() - start < 1.5 + GRACEFUL_WAIT_S
+
+
+def test_the_stop_signal_sent_to_every_process_of_the_engines_ends_none(shell, magics):
+    """Slurm sends its time-limit warning (the stop signal, USR1) to every process of the job
+    step: ipyparallel's nanny, which each engine starts as it registers, too. A nanny that died
+    of it failed the engine's registration ("nanny failed", in a Slurm test run) or left a
+    running engine without its control channel. Here the signal goes to every engine and every
+    nanny of a fresh cluster, before any cell and again after one; all live on, and the next
+    cell runs."""
+    import psutil
+
+    from nbdist.kernel.local import engine_nannies
+
+    shell.run_line_magic("distrain", "restart -n 2")
+    profile = magics.cluster._reaper.record.profile
+    for _ in range(2):
+        # The engines are usable once registered; each starts its nanny just after.
+        wait_until(lambda: len(engine_nannies(profile)) == 2, 10)
+        procs = [psutil.Process(e.pid) for e in magics.cluster.engines]
+        procs += engine_nannies(profile)
+        for proc in procs:
+            proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.5)
+        # A nanny that died stays a zombie until its engine reaps it: not alive either.
+        dead = [p.pid for p in procs if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
+        assert dead == [], (dead, [p.pid for p in procs[:2]], "engines first, then nannies")
+        shell.run_cell_magic("distrain", "--no-plot -o r", "rank")
+        assert shell.user_ns["r"].values == [0, 1]
