@@ -99,6 +99,27 @@ def _step_of_rank0(page) -> int:
     return int(text) if text.strip() else -1
 
 
+def _type_into_pdb(page, index: int, typed_in, shot) -> str:
+    """Run cell ``index``, answer each ``(rank 1) Pdb`` prompt in its input box with the next
+    line of ``typed_in`` (``(line, answer expected or None)``), and return the cell's output
+    once it ends; a screenshot once the first answer shows."""
+    run_cell(page, index, wait=False)
+    out = outputs(page, index)
+    for asked, (typed, answer) in enumerate(typed_in):
+        # Each prompt is a new input box; the answered ones stay above it.
+        box = out.locator("input.jp-Stdin-input").nth(asked)
+        box.wait_for(timeout=60_000)
+        prompt = out.locator(".jp-Stdin-prompt").last.inner_text()
+        assert prompt.startswith("(rank 1) Pdb"), out.inner_text()
+        box.fill(typed)
+        box.press("Enter")
+        if answer is not None:
+            out.get_by_text(answer).wait_for(timeout=30_000)
+            page.screenshot(path=str(shot))
+    wait_idle(page, index, timeout=60)
+    return out.inner_text()
+
+
 def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_end):
     from playwright.sync_api import sync_playwright
 
@@ -182,42 +203,13 @@ def test_panel_updates_stop_ends_the_run_and_the_saved_notebook_is_valid(front_e
         assert f"at Cell In[{count}], line 3: raise ValueError('bad batch')" in failed, failed
         assert "To look at rank 1's variables where it raised: %distrain debug" in failed
         # %distrain debug: pdb on the rank that raised, its prompt the notebook's input box.
-        run_cell(page, 4, wait=False)
-        debug = outputs(page, 4)
         typed_in = (("p 'rank is', rank", "('rank is', 1)"), ("up", None), ("q", None))
-        for asked, (typed, answer) in enumerate(typed_in):
-            # Each prompt is a new input box; the answered ones stay above it.
-            box = debug.locator("input.jp-Stdin-input").nth(asked)
-            box.wait_for(timeout=60_000)
-            assert debug.locator(".jp-Stdin-prompt").last.inner_text().startswith(
-                "(rank 1) Pdb"
-            ), debug.inner_text()
-            box.fill(typed)
-            box.press("Enter")
-            if answer is not None:
-                debug.get_by_text(answer).wait_for(timeout=30_000)
-                page.screenshot(path=str(SHOTS / f"{app}_5_debugger.png"))
-        wait_idle(page, 4, timeout=60)
-        said = debug.inner_text()
+        said = _type_into_pdb(page, 4, typed_in, shot=SHOTS / f"{app}_5_debugger.png")
         assert f"> Cell In[{count}](3)<module>()" in said, said
         assert "-> raise ValueError('bad batch')" in said, said
-
         # breakpoint() in a cell: rank 1 pauses there and the notebook prompts for it.
-        run_cell(page, 5, wait=False)
-        paused = outputs(page, 5)
-        for asked, (typed, answer) in enumerate((("p x, rank", "(10, 1)"), ("c", None))):
-            box = paused.locator("input.jp-Stdin-input").nth(asked)
-            box.wait_for(timeout=60_000)
-            assert paused.locator(".jp-Stdin-prompt").last.inner_text().startswith(
-                "(rank 1) Pdb"
-            ), paused.inner_text()
-            box.fill(typed)
-            box.press("Enter")
-            if answer is not None:
-                paused.get_by_text(answer).wait_for(timeout=30_000)
-                page.screenshot(path=str(SHOTS / f"{app}_6_breakpoint.png"))
-        wait_idle(page, 5, timeout=60)
-        said = paused.inner_text()
+        typed_in = (("p x, rank", "(10, 1)"), ("c", None))
+        said = _type_into_pdb(page, 5, typed_in, shot=SHOTS / f"{app}_6_breakpoint.png")
         assert "-> y = x + 1" in said, said
         # The last input box keeps the keyboard (JupyterLab leaves the answered box focused):
         # Ctrl+S must reach the notebook, as a person's click on it does.
