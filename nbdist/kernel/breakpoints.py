@@ -120,7 +120,7 @@ class Desk:
             text, self._prompts[conn] = rest
         else:  # "resumed"
             text = "" if self._no_input else rest[0]
-        _show(text, out)
+        show(text, out)
 
     def _read(
         self,
@@ -184,10 +184,11 @@ class Desk:
             self._folder = None
 
 
-def _show(text: str, out: Callable[[str], None]) -> None:
+def show(text: str, out: Callable[[str], None]) -> None:
+    """What a rank's pdb printed, without its last newline; nothing when it printed nothing."""
     text = text.rstrip("\n")
     if text:
         out(text)
 
 
-__all__ = ["Desk"]
+__all__ = ["Desk", "show"]

@@ -8,11 +8,10 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from nbdist.engine import backends, session_ops
-from nbdist.kernel.engines import gather
+from nbdist.kernel.engines import gather, remote_message
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
-from nbdist.protocol import UnpackError
 from nbdist.ranks import MANY_RANKS
 
 COMMAND_TIMEOUT_S = 60.0
@@ -50,16 +49,9 @@ def _on_all(
         )
 
     def failed(rank: int, e: Exception) -> UsageError:
-        return UsageError(f"%distrain {what}: rank {rank}: {_remote_message(e)}")
+        return UsageError(f"%distrain {what}: rank {rank}: {remote_message(e)}")
 
     return gather(ranks, ars, COMMAND_TIMEOUT_S, late=late, failed=failed)
-
-
-def _remote_message(e: Exception) -> str:
-    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
-    if isinstance(e, UnpackError) or ename == UnpackError.__name__:  # it says what and why
-        return str(evalue if ename else e)
-    return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
 
 
 MOST_MEMORY = 5  # ranks named beyond MANY_RANKS ranks
@@ -92,7 +84,7 @@ def pull(session: Session, names: tuple[str, ...], rank: int, user_ns: dict[str,
         )
         values = packed.unpack(" in the notebook")
     except Exception as e:
-        raise UsageError(f"%distrain pull: rank {rank}: {_remote_message(e)}") from None
+        raise UsageError(f"%distrain pull: rank {rank}: {remote_message(e)}") from None
     user_ns.update(values)
     said = f"nbdist: pulled {', '.join(names)} from rank {rank}"
     if packed.unwrapped:
@@ -138,7 +130,7 @@ def sync(session: Session, names: tuple[str, ...], source: int) -> str:
             COMMAND_TIMEOUT_S
         )
     except Exception as e:
-        raise UsageError(f"%distrain sync: rank {source}: {_remote_message(e)}") from None
+        raise UsageError(f"%distrain sync: rank {source}: {remote_message(e)}") from None
     others = [r for r in range(size) if r != source]
     in_place = _on_all(session, "sync", session_ops.take, data, ranks=others)
     loaded = sorted(set(in_place[0])) if in_place else []

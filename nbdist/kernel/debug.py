@@ -18,7 +18,8 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 
 from nbdist.engine import debugging
 from nbdist.errors import WorkerError
-from nbdist.protocol import DebugReply
+from nbdist.kernel.breakpoints import show
+from nbdist.kernel.engines import remote_message
 
 OPEN_TIMEOUT_S = 30.0
 POLL_S = 0.5
@@ -91,13 +92,13 @@ def debug(
     reply = _call(cluster, rank, debugging.open_debugger, timeout=OPEN_TIMEOUT_S)
     if reply.ended:
         raise UsageError(f"%distrain debug: rank {rank}: {reply.text}.")
-    _show(reply, out)
+    show(reply.text, out)
     try:
         if commands is not None:
             for line in commands:
                 out(_prompt(rank, reply.prompt) + line)
                 reply = _call(cluster, rank, debugging.command, line)
-                _show(reply, out)
+                show(reply.text, out)
                 if reply.ended:
                     return
             return
@@ -113,18 +114,12 @@ def debug(
             except EOFError:
                 return
             reply = _call(cluster, rank, debugging.command, line)
-            _show(reply, out)
+            show(reply.text, out)
     except KeyboardInterrupt:
         out(f"nbdist: debug: interrupted; rank {rank}'s debugger closed.")
     finally:
         if not reply.ended:
             _close(cluster, rank)
-
-
-def _show(reply: DebugReply, out: Callable[[str], None]) -> None:
-    text = reply.text.rstrip("\n")
-    if text:
-        out(text)
 
 
 def _call(cluster: Any, rank: int, fn: Any, *args: Any, timeout: float | None = None) -> Any:
@@ -142,12 +137,7 @@ def _call(cluster: Any, rank: int, fn: Any, *args: Any, timeout: float | None = 
     try:
         return ar.get()
     except Exception as e:
-        raise UsageError(f"%distrain debug: rank {rank}: {_remote(e)}") from None
-
-
-def _remote(e: Exception) -> str:
-    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
-    return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
+        raise UsageError(f"%distrain debug: rank {rank}: {remote_message(e)}") from None
 
 
 def _close(cluster: Any, rank: int) -> None:
@@ -220,7 +210,7 @@ def where(session: Any, out: Callable[[str], None] = print) -> None:
         try:
             text = ars[r].get(OPEN_TIMEOUT_S)
         except Exception as e:
-            out(f"rank {r}: did not say ({_remote(e)})")
+            out(f"rank {r}: did not say ({remote_message(e)})")
             told = True
             continue
         if text is not None:

@@ -492,6 +492,17 @@ class RankedEngines:
         """What a kind does with newly ranked engines before they are used."""
 
 
+def remote_message(e: Exception) -> str:
+    """What went wrong on an engine, in one line: ``ValueError: ...`` (a RemoteError's own
+    name and value), or an UnpackError's words alone (they say what and why)."""
+    from nbdist.protocol import UnpackError
+
+    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
+    if isinstance(e, UnpackError) or ename == UnpackError.__name__:
+        return str(evalue if ename else e)
+    return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
+
+
 def gather(
     ranks: Sequence[int],
     ars: Sequence[Any],
