@@ -389,13 +389,24 @@ class RankedEngines:
             self._client.send_signal(STOP_SIGNAL, targets=targets, block=False)
 
     def busy(self) -> dict[int, int]:
-        """Tasks queued or running per rank (none for an engine the controller dropped)."""
-        status = self._client.queue_status()
-        return {
-            e.rank: status.get(e.engine_id, {}).get("queue", 0)
-            + status.get(e.engine_id, {}).get("tasks", 0)
-            for e in self.engines
-        }
+        """Tasks queued or running per rank (none for an engine the controller dropped).
+
+        The hub learns that a task ended from the scheduler's monitor stream, the notebook's
+        client from the engine's reply itself, so right after a cell the hub may still list
+        its tasks: those whose result this client already holds are not counted (another
+        client's tasks on a connected cluster are).
+        """
+        client = self._client
+        status = client.queue_status(verbose=True)
+        done = set(client.history) - set(client.outstanding)
+
+        def pending(engine_id: int) -> int:
+            queues = status.get(engine_id, {})
+            return sum(
+                1 for key in ("queue", "tasks") for m in queues.get(key, ()) if m not in done
+            )
+
+        return {e.rank: pending(e.engine_id) for e in self.engines}
 
     def connected_text(self) -> str:
         return connected_text(self.engines)

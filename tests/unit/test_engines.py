@@ -88,3 +88,30 @@ def test_an_engine_with_no_address_other_hosts_reach_says_what_to_set():
         "environment (ipcluster_config.py: c.EngineLauncher.environment) and %distrain connect "
         "again."
     )
+
+
+class _HubLagging:
+    """What the client sees right after a cell: its own replies are in, and the hub (which
+    hears of them by the scheduler's monitor stream) still lists them, beside another
+    client's task that really runs. The shape is ``Client.queue_status(verbose=True)``'s."""
+
+    history = ["mine-1", "mine-2", "mine-3"]
+    outstanding = {"mine-3"}
+
+    def queue_status(self, verbose=False):
+        assert verbose, "counts alone cannot tell this client's finished tasks"
+        return {
+            0: {"queue": ["mine-1"], "completed": [], "tasks": []},
+            1: {"queue": ["mine-2", "theirs"], "completed": [], "tasks": []},
+            2: {"queue": ["mine-3"], "completed": ["mine-0"], "tasks": []},
+            "unassigned": [],
+        }
+
+
+def test_busy_skips_the_tasks_whose_results_this_client_already_holds():
+    from nbdist.kernel.engines import RankedEngines
+
+    cluster = RankedEngines()
+    cluster._client = _HubLagging()
+    cluster.engines = rank_engines([0, 1, 2, 3], [_info("a")] * 4)
+    assert cluster.busy() == {0: 0, 1: 1, 2: 1, 3: 0}  # rank 3: an engine the hub dropped
