@@ -1,7 +1,8 @@
 """The notebook's end of ``breakpoint()`` in a ``%%distrain`` cell (the engine's end, and why
 it connects to the notebook, is :mod:`nbdist.engine.breakpoints`).
 
-:class:`Desk` is a Unix socket in a folder of the kernel user's own (mode 0700), opened at the
+:class:`Desk` is a Unix socket in a folder of the kernel user's own (mode 0700, in nbdist's run
+folder, removed by the reaper when the kernel dies without closing it), opened at the
 first cell and kept for the session; a thread accepts the ranks that connect (each proves the
 session's key first). While a cell runs, the watch loop asks :meth:`Desk.serve` to take what
 the ranks sent: a rank that stopped is prompted for in the notebook's input box, ``(rank 1)
@@ -18,12 +19,14 @@ import os
 import queue
 import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
+from typing import cast
 
 from IPython.core.error import StdinNotImplementedError
+
+from nbdist.kernel.runfiles import kernel_folder
 
 QUIT = ("q", "quit", "exit")
 NO_INPUT = (
@@ -50,7 +53,7 @@ class Desk:
     def channel(self) -> tuple[str, bytes]:
         """The socket's path and the key, for the cell's ranks (opened on first use)."""
         if self._listener is None:
-            self._folder = tempfile.mkdtemp(prefix="nbdist-bp-")  # 0700: the kernel user's
+            self._folder = str(kernel_folder("bp"))  # 0700, in the user's 0700 run folder
             path = os.path.join(self._folder, "s")
             self._listener = Listener(path, family="AF_UNIX", authkey=self.authkey)
             threading.Thread(target=self._accept, name="nbdist-breakpoints", daemon=True).start()
@@ -87,8 +90,8 @@ class Desk:
                 break
         if not self._conns:
             return
-        for conn in wait(self._conns, timeout=0):
-            self._take(conn, out)
+        for ready in wait(self._conns, timeout=0):
+            self._take(cast(Connection, ready), out)
         if not self._prompts:
             return
         conn = min(self._prompts, key=lambda c: self._rank[c])

@@ -7,7 +7,7 @@ death does not take it along. It watches the kernel, by PID *and* start time (a 
 not the kernel); when the kernel is gone it kills the process trees listed in the run record
 (:mod:`nbdist.kernel.runfiles`), each only if its start time still matches, and cancels the
 Slurm jobs it lists (``scancel``: an allocation left running would burn the user's hours), and
-removes their folder. When
+removes their folder and the kernel's own folders (the breakpoint socket's). When
 the cluster is stopped normally the record is removed and the reaper exits.
 
     python -m nbdist.kernel.reaper RECORD   (nbdist starts it with -c, see runfiles.Reaper)
@@ -27,6 +27,7 @@ from nbdist.kernel.runfiles import (
     parse_record,
     read_trusted,
     record_jobs,
+    remove_orphans,
     remove_record,
     same_process,
 )
@@ -38,7 +39,7 @@ def watch(record: str) -> None:
     while os.path.exists(record):
         text = read_trusted(record)
         parsed = parse_record(text) if text is not None else None
-        if parsed is not None:
+        if text is not None and parsed is not None:
             kernel, procs = parsed
             if not same_process(kernel):
                 for proc in procs:
@@ -48,6 +49,7 @@ def watch(record: str) -> None:
                 if folder is not None:
                     shutil.rmtree(folder, ignore_errors=True)
                 remove_record(record, logs=not keep_logs())
+                remove_orphans(os.path.dirname(record), kernel=kernel[0])
                 return
         time.sleep(POLL_S)
 

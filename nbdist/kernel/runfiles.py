@@ -14,6 +14,8 @@ A record is rewritten (atomically: ``mkstemp`` + ``os.replace``) as soon as each
 the network-namespace holder, the controller, each engine at launch (also while engines are
 replaced), so a kernel killed at any moment of a start leaves nothing running. Beside each
 record, ``<record>.ipc/`` (0700) holds the controller's sockets; it goes with the record.
+Folders a kernel keeps for itself (the breakpoint socket's) are named and owned the same way
+(:func:`kernel_folder`), and go when their kernel is gone.
 """
 
 from __future__ import annotations
@@ -189,11 +191,11 @@ def tree_of(*procs: Proc) -> list:
     for p in psutil.process_iter():  # one pass for all of them
         with contextlib.suppress(psutil.Error, OSError):
             # A session's id is its leader's PID; born after the leader: not an older process.
-            start = leaders.get(os.getsid(p.pid))
-            if start is None:
+            leader = leaders.get(os.getsid(p.pid))
+            if leader is None:
                 continue
             born = started(p.pid)
-            if born is not None and born >= start - CREATE_TIME_SLACK_S:
+            if born is not None and born >= leader - CREATE_TIME_SLACK_S:
                 out.setdefault(p.pid, p)
     return [p for p in out.values() if _running(p)]
 
@@ -432,6 +434,41 @@ def remove_record(record: str | Path, *, logs: bool = True) -> None:
         os.unlink(record)
 
 
+def kernel_folder(kind: str, directory: Path | None = None) -> Path:
+    """A private folder of this kernel's own, ``nbdist-<pid>-<random>.<kind>`` in the run
+    directory, with an ``owner`` file naming the kernel as a record does: when the kernel dies
+    without removing it (``kill -9``, or SIGTERM, which runs no exit handler), the reaper or the
+    next :func:`clean_stale` does (:func:`remove_orphans`)."""
+    folder = Path(
+        tempfile.mkdtemp(
+            prefix=f"nbdist-{os.getpid()}-", suffix=f".{kind}", dir=directory or run_dir()
+        )
+    )
+    pid = os.getpid()
+    owner = {"kernel": (pid, started(pid) or 0.0), "boot": boot_id(), "started": []}
+    write_atomic(folder / "owner", json.dumps(owner))
+    return folder
+
+
+KERNEL_FOLDERS = ("bp",)  # the kinds of kernel folder (kernel/breakpoints.py's socket)
+
+
+def remove_orphans(directory: str | Path, *, kernel: int | None = None) -> int:
+    """Remove the kernel folders in ``directory`` whose kernel is gone (only those of the
+    kernel with PID ``kernel``, when given); returns how many."""
+    removed = 0
+    for kind in KERNEL_FOLDERS:
+        pattern = f"nbdist-{kernel if kernel is not None else '*'}-*.{kind}"
+        for path in glob.glob(os.path.join(directory, pattern)):
+            text = read_trusted(os.path.join(path, "owner"))
+            record = parse_record(text) if text is not None else None
+            if record is None or same_process(record[0]):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def clean_stale(directory: str | Path | None = None) -> int:
     """Kill the cluster processes of kernels that died without stopping them; returns how many.
 
@@ -451,4 +488,5 @@ def clean_stale(directory: str | Path | None = None) -> int:
             continue
         killed += sum(kill_tree(proc) for proc in procs)
         remove_record(path, logs=not keep_logs())
+    remove_orphans(folder)
     return killed

@@ -40,29 +40,45 @@ def test_no_process_left_after_kernel_exit():
     assert alive == []
 
 
+AFTER_A_CELL = textwrap.dedent(
+    """
+    ip.run_cell_magic("distrain", "", "x = rank")
+    print(json.dumps(ip.magics_manager.registry["DistrainMagics"].session.breakpoints.channel()[0]))
+    import time
+    time.sleep(600)
+    """
+)
+
+
 def test_no_process_left_after_kernel_is_killed():
-    """nbval and forced Jupyter restarts SIGKILL the kernel: no atexit runs, the reaper acts."""
+    """nbval and forced Jupyter restarts SIGKILL the kernel: no atexit runs, the reaper acts.
+    It also removes the breakpoint socket's folder, which a cell opened."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT + "import time\ntime.sleep(600)\n"],
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", SCRIPT + AFTER_A_CELL], stdout=subprocess.PIPE, text=True
     )
     try:
         line = proc.stdout.readline()
         while not line.startswith("["):
             line = proc.stdout.readline()
         pids = json.loads(line)
+        line = proc.stdout.readline()
+        while not line.startswith('"'):
+            line = proc.stdout.readline()
+        socket = json.loads(line)
     finally:
         proc.kill()
         proc.wait()
+    folder = os.path.dirname(socket)
+    assert os.path.basename(folder).startswith(f"nbdist-{proc.pid}-")
     assert len(pids) >= 4  # a controller, two engines and the reaper
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-        if not alive:
+        if not alive and not os.path.exists(folder):
             break
         time.sleep(0.1)
     assert alive == []
+    assert not os.path.exists(folder)
 
 
 KILLED_WHILE = textwrap.dedent(

@@ -478,3 +478,27 @@ def test_a_full_disk_is_said_in_one_line(stopped, monkeypatch):
     finally:
         subprocess.run(["umount", str(disk)])
         disk.rmdir()
+
+
+def test_a_kernel_folder_goes_when_its_kernel_is_gone_and_only_then(tmp_path):
+    """The breakpoint socket's folder of a kernel killed outright (no exit handler ran) is
+    removed by the next clean; this kernel's own stays."""
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from nbdist.kernel.runfiles import "
+            "kernel_folder; print(kernel_folder('bp', Path(sys.argv[1])))",
+            str(tmp_path),
+        ],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    theirs = Path(made.stdout.strip())
+    mine = runfiles.kernel_folder("bp", tmp_path)
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+    assert mine.name.startswith(f"nbdist-{os.getpid()}-") and mine.suffix == ".bp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([theirs.name, mine.name])
+    assert clean_stale(tmp_path) == 0  # no process was killed
+    assert [p.name for p in tmp_path.iterdir()] == [mine.name]
+    assert runfiles.remove_orphans(tmp_path, kernel=os.getpid()) == 0
+    assert mine.exists()
