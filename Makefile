@@ -28,6 +28,7 @@ notebooks: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check nbdist tests scripts benchmarks
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 # The documentation site (mkdocs.yml, docs/) into build/docs/, any warning an error: the tutorials
@@ -67,6 +68,7 @@ compat:
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbdist tests scripts benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .venv-compat build .pytest_cache

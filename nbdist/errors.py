@@ -99,6 +99,8 @@ class RanksDisagree(JobStalled):
 class JobInterrupted(DistrainError):
     """The notebook's interrupt (or the Stop button) stopped the job."""
 
+    outside = False  # a stop signal sent from outside the notebook stopped it
+
 
 class WorkerDied(DistrainError):
     """An engine process died during the job; nbdist replaced the engines."""

@@ -113,7 +113,7 @@ def pack(value: Any, names: tuple[str, ...] = ()) -> Packed:
     buffer = io.BytesIO()
     packer(buffer).dump(value)
     ddp = ddp_type()
-    unwrapped = ()
+    unwrapped: tuple[str, ...] = ()
     if ddp is not None and names and isinstance(value, dict):
         unwrapped = tuple(n for n in names if isinstance(value.get(n), ddp))
     return Packed(buffer.getvalue(), names, unwrapped)
@@ -126,7 +126,7 @@ def packer(file: Any, pickler: type | None = None) -> Any:
     "Default process group has not been initialized")."""
     import cloudpickle
 
-    cls = pickler or cloudpickle.Pickler
+    cls: Any = pickler or cloudpickle.Pickler
     ddp = ddp_type()
     if ddp is not None:  # read when the pickler is made: a class attribute, not an instance's
         table = ChainMap({ddp: _ddp_module}, cls.dispatch_table)
@@ -134,7 +134,7 @@ def packer(file: Any, pickler: type | None = None) -> Any:
     return cls(file)
 
 
-def ddp_type() -> type | None:
+def ddp_type() -> Any:
     """torch's ``DistributedDataParallel`` where torch is imported (never imported for it)."""
     parallel = sys.modules.get("torch.nn.parallel")
     ddp = getattr(parallel, "DistributedDataParallel", None)

@@ -45,7 +45,7 @@ class RemoteDebugger(Debugger):
         self.rank = rank
 
     def interaction(self, frame: Any, traceback: Any) -> None:
-        if self.setup(frame, traceback):
+        if self.setup(frame, traceback):  # type: ignore[func-returns-value]  # an rc's "c"
             self.forget()
             return
         self.print_stack_entry(self.stack[self.curindex])

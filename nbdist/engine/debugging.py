@@ -182,6 +182,7 @@ class Debugger(pdb.Pdb):
         self.more = False  # the console waits for the rest of a statement
 
     def do_interact(self, arg: str) -> None:  # pdb's reads a terminal the engine lacks
+        assert self.curframe is not None  # pdb is at a frame whenever it takes a command
         ns = {**self.curframe.f_globals, **self.curframe_locals}
         self.console = _Console(ns, self.out)
         self.message("*interactive* (exit() goes back to pdb)")

@@ -96,7 +96,8 @@ def _text_tqdm() -> None:
                 module = importlib.import_module(name)
         except Exception:  # tqdm.notebook needs ipywidgets; without it there is no widget bar
             continue
-        module.tqdm, module.trange = tqdm.std.tqdm, tqdm.std.trange
+        setattr(module, "tqdm", tqdm.std.tqdm)  # noqa: B010
+        setattr(module, "trange", tqdm.std.trange)  # noqa: B010
 
 
 @contextmanager

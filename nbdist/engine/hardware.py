@@ -107,7 +107,7 @@ def parse_gpu_info(info_csv: str, ids: list[str]) -> list[dict[str, object]]:
         if len(parts) != 5 or not parts[0].isdigit():
             continue
         index, uuid, name, used, total = parts
-        row = {
+        row: dict[str, object] = {
             "id": index,
             "name": name,
             "used_mib": int(used) if used.isdigit() else None,

@@ -354,7 +354,9 @@ def rewrap(
     return done
 
 
-def _load_keras(namespace: dict[str, Any], models: dict[str, bytes], names: dict[str, Any]):
+def _load_keras(
+    namespace: dict[str, Any], models: dict[str, bytes], names: dict[str, Any]
+) -> list[str]:
     import contextlib
     import tempfile
 

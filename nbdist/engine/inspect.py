@@ -154,7 +154,7 @@ def _walk(value: Any, path: str, seen: frozenset[int]) -> Iterator[tuple[str, An
     elif kind in ("keras-layer", "keras-optimizer"):
         yield from _walk_keras(value, path, seen)
     elif isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        for field, item in zip(value._fields, value, strict=True):
+        for field, item in zip(type(value)._fields, value, strict=True):  # type: ignore[attr-defined]
             yield from _walk(item, _join(path, field), seen)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):

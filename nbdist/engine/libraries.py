@@ -83,7 +83,7 @@ def _not_interactive() -> Iterator[None]:
     for name in _LIGHTNING_COPIES:  # ... and the copies of the flag imported before it
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False
+            setattr(module, "_IS_INTERACTIVE", False)  # noqa: B010 - a module's flag
     try:
         yield
     finally:

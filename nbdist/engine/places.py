@@ -50,7 +50,7 @@ def locations(namespace: dict[str, Any], kind: type) -> dict[str, list[Location]
         ):  # an object of a class the cells defined (not a library's: its insides are its own)
             items = [(("attr", k), v) for k, v in vars(value).items()]
         elif isinstance(loader, type) and isinstance(value, loader):
-            items = [(("attr", "sampler"), value.sampler)]
+            items = [(("attr", "sampler"), getattr(value, "sampler", None))]
         else:
             return
         for step, item in items:

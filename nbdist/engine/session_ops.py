@@ -52,7 +52,7 @@ def states(names: list[str]) -> bytes:
     :func:`take`), pickled as a healing pickles a session (functions and classes by value)."""
     from nbdist.engine.carry import dumps
 
-    out = {}
+    out: dict[str, tuple[str | None, Any]] = {}
     for name, value in _named(names, session_namespace()).items():
         value = _unwrapped(value)
         kind = _kind(value)
@@ -109,7 +109,7 @@ def _unwrapped(value: Any) -> Any:
 
 
 def _kind(value: Any) -> str | None:
-    """"module", "optimizer" or "keras" (a model) for what :func:`take` loads in place; None
+    """ "module", "optimizer" or "keras" (a model) for what :func:`take` loads in place; None
     for the rest."""
     keras = sys.modules.get("keras")
     if keras is not None and isinstance(value, keras.Model):

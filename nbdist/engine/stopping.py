@@ -106,7 +106,7 @@ class StoreBoard:
                 )
             self._bad.update(bad)
             return None
-        return steps
+        return [s for s in steps if s is not None]  # (all of them)
 
 
 def _step(value: Any) -> int | None:

@@ -51,7 +51,7 @@ def place(frame: Any, filename: str) -> Waiting | None:
         collective = "DDP's gradient all-reduce in backward()"
     elif any(f.filename.endswith(_DEBUGGER) for f in inner):
         collective = "the debugger (the notebook's prompt)"
-    return Waiting(line=at.lineno, line_text=(at.line or "").strip(), collective=collective)
+    return Waiting(line=at.lineno or 0, line_text=(at.line or "").strip(), collective=collective)
 
 
 class WhereReporter:

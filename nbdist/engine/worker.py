@@ -119,9 +119,7 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
     return tree, None
 
 
-def run_source(
-    source: str, filename: str, namespace: dict[str, Any], first_line: int = 1
-) -> Any:
+def run_source(source: str, filename: str, namespace: dict[str, Any], first_line: int = 1) -> Any:
     """Run the cell like IPython does: statements, then the value of a final expression.
     ``first_line``: the editor's line number of the source's first line, which tracebacks,
     failures and where a rank waits then count from."""
@@ -193,7 +191,7 @@ def run_rank(spec: RankSpec) -> RankReport:
     backend = backends.load(spec.framework)
     host = socket.gethostname()
     start = time.perf_counter()
-    namespace = {"__name__": "__main__"} if spec.fresh else session_namespace()
+    namespace: dict[str, Any] = {"__name__": "__main__"} if spec.fresh else session_namespace()
     report = RankReport(rank=spec.rank, host=host, pid=os.getpid())
     state.cell_labels[spec.filename] = spec.cell.label  # for tracebacks, in later cells too
     publish = _publisher()

@@ -143,9 +143,7 @@ class ProfileReport:
         for r in shown:
             # No-break spaces inside an item: a narrow output wraps between items, not in a
             # number ("0.1⏎ms", seen in JupyterLab).
-            ops = ", ".join(
-                f"{name}\u00a0{ms:.1f}\u00a0ms" for name, ms, _ in r.top_ops[:limit]
-            )
+            ops = ", ".join(f"{name}\u00a0{ms:.1f}\u00a0ms" for name, ms, _ in r.top_ops[:limit])
             lines.append(f"  rank {r.rank}: {ops}")
         return "\n".join(lines)
 

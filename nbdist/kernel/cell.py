@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ast
 import uuid
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ from nbdist.protocol import CellName, RankSpec, Reason, SessionState, UnpackErro
 if TYPE_CHECKING:
     from nbdist.kernel.cluster import Cluster
     from nbdist.kernel.session import Session
+
 
 @dataclass
 class Plan:
@@ -210,9 +212,7 @@ class Cell:
         ]
         specs = [every[r] for r in job_ranks]
         left_out = [s for s in every if s.rank not in job_ranks]
-        return Plan(
-            framework=framework, world=world, specs=specs, left_out=left_out, push=push
-        )
+        return Plan(framework=framework, world=world, specs=specs, left_out=left_out, push=push)
 
     # -- 2. submit and watch ---------------------------------------------------------------------
     def submit(self, plan: Plan) -> Job:
@@ -314,7 +314,7 @@ class Cell:
         ranks: list[int],
         *,
         already: set[str] | None = None,
-        queued: set[int] = frozenset(),
+        queued: AbstractSet[int] = frozenset(),
     ) -> list[str]:
         return regroup.drop(
             self.cluster, self.session.rendezvous, framework, ranks, already=already,
@@ -326,6 +326,7 @@ class Cell:
         self, outcome: Outcome, plan: Plan, state: SessionState, dropped: list[str]
     ) -> CellOutcome:
         session, opts, job = self.session, self.opts, self.job
+        assert job is not None  # (the job ran)
         live_view = job.live
         meta = outcome.meta
         reports = outcome.reports
@@ -408,7 +409,8 @@ class Cell:
             # A graceful stop: the cell's outcome is kept as a finished cell's is, and the
             # session raises the notice after taking it in.
             error=failures.graceful_stop(
-                stopped_at, live_view.agg.step_text,
+                stopped_at,
+                live_view.agg.step_text,
                 why=None if outcome.stop_asked else self.cluster.outside_stop(),
             )  # fmt: skip
             if stopped_at

@@ -336,7 +336,7 @@ def keras_outside_scope(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
 
 
 def tfconfig_connect(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    resolvers = set()
+    resolvers: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and call_name(node.value) == "TFConfigClusterResolver":
             resolvers.update(t.id for t in node.targets if isinstance(t, ast.Name))
@@ -414,7 +414,7 @@ _STARTERS = ("spawn", "start_processes", "Process")
 
 def _mp_names(tree: ast.Module) -> tuple[set[str], set[str]]:
     """(names bound to a multiprocessing module, process starters imported by name)."""
-    modules, starters = {"mp", *_MP_MODULES}, set()
+    modules, starters = {"mp", *_MP_MODULES}, set[str]()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -579,7 +579,7 @@ _COLLECTIVE_CALLS = ("backward", "all_reduce", "all_gather", "broadcast", "barri
 
 
 def uneven_slices(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
-    slices = {}  # name -> the line of the per-rank slice it comes from
+    slices: dict[str, int] = {}  # name -> the line of the per-rank slice it comes from
     joined = {id(n) for w in _with_blocks(tree, "Join") for n in ast.walk(w)}
     for node in sorted(
         (n for n in ast.walk(tree) if isinstance(n, ast.Assign)), key=lambda n: n.lineno
@@ -587,7 +587,14 @@ def uneven_slices(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
         used = [
             slices[n.id] for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id in slices
         ]
-        source = next((n.lineno for n in ast.walk(node.value) if _per_rank_slice(n)), None)
+        source = next(
+            (
+                n.lineno
+                for n in ast.walk(node.value)
+                if isinstance(n, ast.Subscript) and _per_rank_slice(n)
+            ),
+            None,
+        )
         line = source or (used[0] if used else None)
         if line is not None:
             for target in node.targets:
@@ -595,18 +602,18 @@ def uneven_slices(tree: ast.Module, ctx: CheckContext) -> list[Finding]:
                     if isinstance(n, ast.Name):
                         slices[n.id] = line
     out = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.For) or id(node) in joined:
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or id(loop) in joined:
             continue
         from_slice = [
-            slices[n.id] for n in ast.walk(node.iter) if isinstance(n, ast.Name) and n.id in slices
+            slices[n.id] for n in ast.walk(loop.iter) if isinstance(n, ast.Name) and n.id in slices
         ]
-        collective = next(calls(ast.Module(node.body, type_ignores=[]), *_COLLECTIVE_CALLS), None)
+        collective = next(calls(ast.Module(loop.body, type_ignores=[]), *_COLLECTIVE_CALLS), None)
         if from_slice and collective is not None:
             out.append(
                 Finding(
                     rule="uneven-slices",
-                    line=node.lineno,
+                    line=loop.lineno,
                     message=f"a warning: this loop runs over a per-rank slice of the data (line "
                     f"{from_slice[0]}) and calls {call_name(collective)}() inside. When the rows "
                     "do not divide evenly the ranks run different numbers of steps, and the rank "

@@ -12,6 +12,7 @@ from nbdist.kernel.engines import gather, remote_message
 from nbdist.kernel.export import CellRecord
 from nbdist.kernel.prepare import check_push
 from nbdist.kernel.session import Session
+from nbdist.protocol import MemoryReport
 from nbdist.ranks import MANY_RANKS
 
 COMMAND_TIMEOUT_S = 60.0
@@ -172,7 +173,7 @@ def status_lines(session: Session) -> list[str]:
     return memory_lines(reports)
 
 
-def host_memory_lines(reports: list[dict[str, Any]], hosts: list[str]) -> list[str]:
+def host_memory_lines(reports: list[MemoryReport], hosts: list[str]) -> list[str]:
     """``%distrain status`` beyond ``MANY_RANKS`` ranks: memory and variables per host
     (min / median / max over its ranks), then the ranks using the most memory."""
     groups: dict[str, list[int]] = {}
@@ -192,7 +193,7 @@ def host_memory_lines(reports: list[dict[str, Any]], hosts: list[str]) -> list[s
     return lines
 
 
-def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
+def memory_lines(reports: list[MemoryReport]) -> list[str]:
     """The per-rank lines of ``%distrain status`` from each rank's ``session_ops.memory()``:
     with GPUs, a last column names each rank's GPU and the memory in use on it."""
     head = f"{'rank':>4}  {'memory':>9}  {'gpu memory':>10}  variables"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import cmath
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +156,7 @@ def _scalar_diff(a: Any, b: Any) -> float:
     if a == b:
         return 0.0
     if isinstance(a, (float, complex)):
-        isnan = cmath.isnan if isinstance(a, complex) else math.isnan
+        isnan: Callable[[Any], bool] = cmath.isnan if isinstance(a, complex) else math.isnan
         if isnan(a) and isnan(b):
             return 0.0
         d = abs(a - b)
@@ -378,8 +378,8 @@ def vars_table(per_rank: Sequence[Sequence[dict[str, Any]]]) -> VarsTable:
             by_name.setdefault(row["name"], {})[rank] = row
     table = []
     for name in sorted(by_name):
-        rows = by_name[name]
-        first = rows[min(rows)]
+        of_rank = by_name[name]
+        first = of_rank[min(of_rank)]
         table.append(
             VarsRow(
                 name=name,
@@ -388,7 +388,7 @@ def vars_table(per_rank: Sequence[Sequence[dict[str, Any]]]) -> VarsTable:
                 dtype=first.get("dtype"),
                 device=first.get("device"),
                 params=first.get("params"),
-                same=_same(rows, len(per_rank)),
+                same=_same(of_rank, len(per_rank)),
             )
         )
     return VarsTable(world_size=len(per_rank), rows=tuple(table))

@@ -112,13 +112,15 @@ class ConnectedCluster(RankedEngines):
             self._learn_engines(timeout=timeout)
         except CompositeError as e:
             died = {
-                info.get("engine_id")
+                int(info["engine_id"])
                 for ename, _, _, info in e.elist
-                if ename == "EngineError" and isinstance(info, dict)
+                if ename == "EngineError"
+                and isinstance(info, dict)
+                and info.get("engine_id") is not None
             }
             if not died or len(died) < len(e.elist):
                 raise
-            alive = sorted(set(self._client.ids) - died)
+            alive = sorted(set(self._client.ids) - died, key=int)
             if not alive:
                 raise
             listed = ", ".join(map(str, sorted(died)))

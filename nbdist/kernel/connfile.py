@@ -37,9 +37,7 @@ MAX_BYTES = 1 << 20
 CONNECT = "%distrain connect: "
 
 
-def check_private(
-    st: os.stat_result, path: Path, what: str, prefix: str = CONNECT
-) -> None:
+def check_private(st: os.stat_result, path: Path, what: str, prefix: str = CONNECT) -> None:
     """Refuse ``path`` (as ``st`` describes the open handle) unless this user owns it and
     neither group nor others can write it."""
     if st.st_uid != os.getuid():
@@ -56,9 +54,7 @@ def check_private(
         )
 
 
-def _open_folder(
-    path: Path, what: str, *, dir_fd: int | None = None, prefix: str = CONNECT
-) -> int:
+def _open_folder(path: Path, what: str, *, dir_fd: int | None = None, prefix: str = CONNECT) -> int:
     """An open handle on the folder ``path`` (relative to ``dir_fd`` when given, and then not
     through a symbolic link), checked private."""
     flags = os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if dir_fd is not None else 0)
@@ -95,14 +91,13 @@ def read_connection(path: Path, *, dir_fd: int | None = None) -> dict[str, Any]:
 
 
 def _read_json(path: Path, *, dir_fd: int | None, what: str) -> dict[str, Any]:
-    own_dir = dir_fd is None
-    if own_dir:
-        dir_fd = _open_folder(path.parent, "folder of the connection file")
+    what_folder = "folder of the connection file"
+    folder = dir_fd if dir_fd is not None else _open_folder(path.parent, what_folder)
     try:
-        data = _read_private(path, dir_fd, what)
+        data = _read_private(path, folder, what)
     finally:
-        if own_dir:
-            os.close(dir_fd)
+        if dir_fd is None:
+            os.close(folder)
     if data is None:
         raise ClusterError(
             f"%distrain connect: there is no {what} {path}. Is the controller running? "
@@ -231,9 +226,7 @@ def launcher_config(profile_dir: Path) -> Any:
     return config
 
 
-def _read_private(
-    path: Path, dir_fd: int, what: str, prefix: str = CONNECT
-) -> bytes | None:
+def _read_private(path: Path, dir_fd: int, what: str, prefix: str = CONNECT) -> bytes | None:
     """The file ``path`` in the folder ``dir_fd`` holds, read once (None: there is none): a
     regular file of this user's that nobody else can write, never through a link; else a
     ``ClusterError`` that begins with ``prefix``."""

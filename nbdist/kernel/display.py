@@ -133,7 +133,7 @@ def _step_cell(agg: Aggregate, step: int | None) -> str:
     """A rank's step in the table: this cell's, and the session's too where they differ."""
     if step is None:
         return ""
-    return f"{step} / {step + agg.offset}" if agg.continued else str(step)
+    return f"{step} / {step + (agg.offset or 0)}" if agg.continued else str(step)
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
@@ -520,9 +520,9 @@ class LiveView:
                 self._show({"text/plain": ""})
             return None
         if self.plot:
-            reusable = dashboard is not None and steps_taken is None
-            if reusable and dashboard.drawn == self.agg.seen:
-                png = dashboard.image.value  # the live figure is up to date: no second render
+            # the live figure is reused when its cell ran to its end and it is up to date
+            if dashboard is not None and steps_taken is None and dashboard.drawn == self.agg.seen:
+                png = dashboard.image.value  # (no second render)
             else:
                 png = self._figure().png(self.agg, self.smoothing, self.logy)
             self._show({"image/png": png_data(png), "text/plain": PANEL_TEXT})

@@ -211,8 +211,8 @@ def status_text(
             f"GPUs {','.join(gpus) if gpus else 'none'}{states}"
         )
     if grouped:
-        running = [e.rank for e in engines if busy.get(e.rank)]
-        lines.append(f"busy ranks: {spans(running) if running else 'none'}")
+        busy_ranks = [e.rank for e in engines if busy.get(e.rank)]
+        lines.append(f"busy ranks: {spans(busy_ranks) if busy_ranks else 'none'}")
         if dead:
             lines.append(f"dead ranks: {spans(sorted(dead))}. {advice}")
         if warm:
@@ -222,8 +222,9 @@ def status_text(
     dead = dead or {}
     for e in engines:
         state = "busy" if busy.get(e.rank) else "idle"
-        if busy.get(e.rank) and (running or {}).get(e.rank):
-            state = f"busy: still runs {running[e.rank]}"
+        still = (running or {}).get(e.rank)
+        if busy.get(e.rank) and still:
+            state = f"busy: still runs {still}"
         if e.rank in dead:
             state = f"dead: {dead[e.rank]}" if dead[e.rank] else "dead"
         gpu = e.gpu if e.gpu is not None else "-"
@@ -257,9 +258,9 @@ def exit_text(code: int | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         why = {
-            signal.SIGKILL: " (kill -9, or the kernel's out-of-memory killer)",
-            signal.SIGSEGV: " (a crash in native code)",
-            signal.SIGABRT: " (a native library aborted)",
+            int(signal.SIGKILL): " (kill -9, or the kernel's out-of-memory killer)",
+            int(signal.SIGSEGV): " (a crash in native code)",
+            int(signal.SIGABRT): " (a native library aborted)",
         }.get(-code, "")
         return f"killed by {name}{why}"
     return f"exited with status {code} (os._exit(), or a native library's exit())"

@@ -267,7 +267,7 @@ def multi_node_commands(nodes: Sequence[tuple[str, str, str | None, int]], scrip
 # not resolve); run inside the job, on any of its nodes.
 _FIRST_NODE = (
     'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-    "    export MASTER_ADDR=$(scontrol show node \"$first\" | "
+    '    export MASTER_ADDR=$(scontrol show node "$first" | '
     "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')"
 )
 

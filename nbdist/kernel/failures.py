@@ -369,7 +369,7 @@ def disagree_message(stalled: Stall, limit: float | None, outcome: Outcome) -> s
     if stalled.finished:
         done = ", ".join(
             f"rank {r} finished the cell"
-            + ("" if steps.get(r) is None else f" after {steps[r] + 1} steps")
+            + ("" if (n := steps.get(r)) is None else f" after {n + 1} steps")
             for r in stalled.finished
         )
         fix = backend.SAME_STEPS
@@ -422,15 +422,16 @@ def stall_message(
         return "before its first step" if steps.get(rank) is None else f"at step {steps[rank]}"
 
     def key(rank: int) -> int:
-        return -1 if steps.get(rank) is None else steps[rank]
+        step = steps.get(rank)
+        return -1 if step is None else step
 
     behind = min(key(r) for r in stalled.ranks)
     stuck = [r for r in stalled.ranks if key(r) == behind]
     where = stalled.where
     # At the same step, a rank in a collective waits for one that is not.
-    waiting = [r for r in stuck if (where.get(r) is not None and where[r].collective)]
-    if waiting and len(waiting) < len(stuck):
-        stuck = [r for r in stuck if r not in waiting]
+    in_collective = [r for r in stuck if (w := where.get(r)) is not None and w.collective]
+    if in_collective and len(in_collective) < len(stuck):
+        stuck = [r for r in stuck if r not in in_collective]
     parts = [
         f"rank {r} is stuck {at(r)}{_waits_in(where.get(r), stalled.cell)} (no progress for "
         f"{stalled.idle[r]:.0f} s)"

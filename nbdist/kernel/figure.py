@@ -8,9 +8,13 @@ import base64
 import io
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from nbdist.kernel.curves import LOG_DECADES, TOO_SHORT, Aggregate, Segment
 from nbdist.ranks import MANY_RANKS
+
+if TYPE_CHECKING:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 MAX_POINTS = 2000
 # 864 x 288 pixels: 10-point titles are ~13 px, readable where the notebook shows the picture at
@@ -204,7 +208,7 @@ class Figure:
     def png(self, agg: Aggregate, smoothing: float = 1.0, logy: bool | None = None) -> bytes:
         self.draw(agg, smoothing, logy)
         buf = io.BytesIO()
-        self.fig.canvas.print_png(buf)
+        cast("FigureCanvasAgg", self.fig.canvas).print_png(buf)
         return buf.getvalue()
 
 

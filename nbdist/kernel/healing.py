@@ -167,9 +167,11 @@ class Carried:
         what = ", ".join(self.snap.sent) or "none"
         line = f"the session's variables ({what}) were saved in the notebook"
         if self.snap.unsent:
-            line += " (not " + ", ".join(
-                f"{n}: {why}" for n, why in sorted(self.snap.unsent.items())
-            ) + ")"
+            line += (
+                " (not "
+                + ", ".join(f"{n}: {why}" for n, why in sorted(self.snap.unsent.items()))
+                + ")"
+            )
         return line
 
 
@@ -271,7 +273,7 @@ def try_heal(
     :func:`why_not`; ``imports``: as for :func:`heal`."""
     why = why_not(cluster, framework, dead, variables=variables, interrupted=interrupted)
     head = f"nbdist: {gone}; " if gone else "nbdist: "
-    if why is not None:
+    if why is not None or framework is None:  # (why_not said why when there is no framework)
         if variables:
             notify(f"{head}not healed: {why}.")
         return None

@@ -329,7 +329,8 @@ class Job:
                         # one furthest behind is the culprit, the others wait for it. (Their last
                         # points arrive in any order within a flush interval.)
                         stuck = watch.stuck(pending, now, opts.stall / 2)
-                        since = {p: watch.progress.get(p, watch.first_progress) for p in stuck}
+                        first = watch.first_progress or now  # (set: a rank is stuck)
+                        since = {p: watch.progress.get(p, first) for p in stuck}
                         self._stall(
                             pending, now, peer_grace, {p: now - t for p, t in since.items()}
                         )
@@ -360,11 +361,11 @@ class Job:
                     # nobody (TensorFlow), they are left alone: the settling drops every
                     # session once no rank waits.
                     running = {self.ranks[p] for p in pending}
-                    idle = [
+                    done = [
                         r for r in range(self.world) if r not in running and r not in self._release
                     ]
                     if (
-                        idle
+                        done
                         and self._frees_peers
                         and (
                             watch.reason != Reason.FAILURE
@@ -372,7 +373,7 @@ class Job:
                             or self._blocked(pending, now)
                         )
                     ):
-                        self._release_ranks(idle)
+                        self._release_ranks(done)
                     if not watch.interrupted and waited >= peer_grace:
                         watch.interrupted = True
                         self.cluster.interrupt([self.ranks[p] for p in pending])

@@ -452,11 +452,8 @@ class LocalCluster(RankedEngines):
         if self._reaper is None:
             return
         network = self.network
-        pids = [
-            p.pid
-            for p in (network.holder, network.outbound)
-            if network is not None and p is not None
-        ]
+        around = (network.holder, network.outbound) if network is not None else ()
+        pids = [p.pid for p in around if p is not None]
         cluster = self._cluster
         if cluster is not None:
             if cluster.controller is not None:
@@ -686,7 +683,7 @@ def _engine_env(preload: str | None, n: int, network: Any) -> dict[str, str]:
     # Only a framework whose import starts no thread and touches no device (torch's; not
     # TensorFlow's, imported by the warm-up call after the engine registered).
     wanted = preload is not None and backends.load(preload).PRELOAD_AT_START
-    env = {"NBDIST_PRELOAD": preload if wanted else ""}
+    env = {"NBDIST_PRELOAD": preload if preload is not None and wanted else ""}
     if network is not None:
         env.update(network.engine_env())
     if "OMP_NUM_THREADS" not in os.environ:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from traitlets import Bool, observe
 
@@ -176,7 +177,7 @@ class Subcommand:
     name: str
     usage: str  # its arguments, as written after the name
     help: str
-    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    arguments: Callable[[argparse.ArgumentParser], object] = lambda p: None
 
 
 def _workers_and_network(p: argparse.ArgumentParser) -> None:
@@ -436,8 +437,9 @@ class DistrainMagics(Magics):
         "cell has used yet. NBDIST_PRESTART=0|1 in the environment overrides it.",
     ).tag(config=True)
 
-    def __init__(self, shell) -> None:
+    def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
+        self.ipython = shell  # (Magics.shell may be None, this one is not)
         self.session = Session(notify=self._notify)
         self.session.interrupt_path = _interrupt_path(shell)
         self.session.live_progress = getattr(shell, "kernel", None) is not None
@@ -489,7 +491,7 @@ class DistrainMagics(Magics):
         print(message, file=sys.stdout, flush=True)
 
     @line_cell_magic
-    def distrain(self, line: str, cell: str | None = None):
+    def distrain(self, line: str, cell: str | None = None) -> Any:
         self._prestarted = False
         auto, self._auto_cell = self._auto_cell, False
         if cell is None:
@@ -499,18 +501,18 @@ class DistrainMagics(Magics):
         self.session.phases.mark("options")
         # Named as IPython names the cell (In [12]), its lines as the editor shows them: the
         # %%distrain line is line 1, but in a cell auto mode sends, which has none.
-        count = self.shell.execution_count if self._cell_count is None else self._cell_count
+        count = self.ipython.execution_count if self._cell_count is None else self._cell_count
         name = CellName(count=count, first_line=1 if auto else 2)
-        return self.session.run(opts, cell, self.shell.user_ns, name)
+        return self.session.run(opts, cell, self.ipython.user_ns, name)
 
     @cell_magic
-    def local(self, line: str, cell: str):
+    def local(self, line: str, cell: str) -> Any:
         """Run this cell in the notebook's own kernel (while ``%distrain auto on``).
 
         A cell typed with ``%%local`` on its first line never gets here: ``_transform`` takes
         the line off and the kernel runs the rest as any cell (IPython's tracebacks, ``await``,
         the history). This runs one given to ``run_cell_magic``."""
-        self.shell.run_cell(cell, store_history=False)
+        self.ipython.run_cell(cell, store_history=False)
 
     def _transform(self, lines: list[str]) -> list[str]:
         """The first transform of every cell: a ``%%local`` cell runs as a plain one, in the
@@ -533,7 +535,7 @@ class DistrainMagics(Magics):
                 "%distrain check needs code or the name of a string variable holding it, "
                 "e.g. %distrain check my_cell"
             )
-        value = self.shell.user_ns.get(text)
+        value = self.ipython.user_ns.get(text)
         source = value if isinstance(value, str) else text
         try:
             ast.parse(source)
@@ -633,10 +635,10 @@ class DistrainMagics(Magics):
         print(commands.reset(self.session))
 
     def _pull(self, ns: argparse.Namespace) -> None:
-        print(commands.pull(self.session, ns.names, ns.rank, self.shell.user_ns))
+        print(commands.pull(self.session, ns.names, ns.rank, self.ipython.user_ns))
 
     def _push(self, ns: argparse.Namespace) -> None:
-        print(commands.push(self.session, ns.names, self.shell.user_ns))
+        print(commands.push(self.session, ns.names, self.ipython.user_ns))
 
     def _sync(self, ns: argparse.Namespace) -> None:
         print(commands.sync(self.session, ns.names, ns.source))
@@ -677,21 +679,21 @@ class DistrainMagics(Magics):
         )
 
     def _cell_starts(self, info: Any) -> None:
-        count = self.shell.execution_count
+        count = self.ipython.execution_count
         self._cell_count = count - 1 if getattr(info, "store_history", False) else count
 
     def _cell_ends(self, result: Any) -> None:
         self._cell_count = None
 
     def close(self) -> None:
-        if self._transform in self.shell.input_transformers_cleanup:
-            self.shell.input_transformers_cleanup.remove(self._transform)
+        if self._transform in self.ipython.input_transformers_cleanup:
+            self.ipython.input_transformers_cleanup.remove(self._transform)
         for event, callback in (
             ("pre_run_cell", self._cell_starts),
             ("post_run_cell", self._cell_ends),
         ):
             try:
-                self.shell.events.unregister(event, callback)
+                self.ipython.events.unregister(event, callback)
             except ValueError:
                 pass
         self.session.close()

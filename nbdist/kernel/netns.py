@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from nbdist.engine import netns
 from nbdist.errors import ClusterError
@@ -115,8 +115,8 @@ class PrivateNetwork:
                 return
             holder.kill()
             holder.wait()
-            holder.stdout.close()
-            holder.stdin.close()
+            _pipe(holder.stdout).close()
+            _pipe(holder.stdin).close()
             mode = self._modes.pop(0)
             self._tried.append((mode, line))
             self.holder = None
@@ -164,7 +164,7 @@ class PrivateNetwork:
             said = proc.communicate()[1].decode(errors="replace").strip().splitlines()
             log.info("no outbound link: %s", said[-1] if said else "slirp4netns did not start")
             return
-        proc.stderr.close()
+        _pipe(proc.stderr).close()
         self.outbound, self._outbound_exit = proc, exit_w
 
     def describe(self) -> str:
@@ -255,7 +255,8 @@ class PrivateNetwork:
     def stop(self) -> None:
         outbound, self.outbound = self.outbound, None
         if outbound is not None:
-            os.close(self._outbound_exit)
+            if self._outbound_exit is not None:
+                os.close(self._outbound_exit)
             try:
                 outbound.wait(timeout=2)
             except subprocess.TimeoutExpired:
@@ -264,13 +265,13 @@ class PrivateNetwork:
         holder, self.holder = self.holder, None
         if holder is not None:
             with contextlib.suppress(OSError):
-                holder.stdin.close()
+                _pipe(holder.stdin).close()
             try:
                 holder.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 holder.kill()
                 holder.wait()
-            holder.stdout.close()
+            _pipe(holder.stdout).close()
         sockets, self.sockets = self.sockets, None
         if sockets is not None:
             for entry in sockets.iterdir():
@@ -374,11 +375,18 @@ def _written(path: str) -> bool:
         return False
 
 
+def _pipe(stream: IO[Any] | None) -> IO[Any]:
+    """A pipe of a process started with ``subprocess.PIPE`` for it (never None then)."""
+    assert stream is not None
+    return stream
+
+
 def _first_line(proc: subprocess.Popen, timeout: float) -> str:
     import selectors
 
+    stdout = _pipe(proc.stdout)
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
             raise TimeoutError
-    return proc.stdout.readline().strip() or f"exited with status {proc.wait()}"
+    return stdout.readline().strip() or f"exited with status {proc.wait()}"

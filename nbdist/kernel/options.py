@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from IPython.core.error import UsageError
@@ -56,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"%%distrain: {message}. Type %%distrain? for the flags and examples.")
 
 
-def _names(flag: str):
+def _names(flag: str) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(n.strip() for n in text.split(",") if n.strip())
         bad = [n for n in names if not n.isidentifier()]

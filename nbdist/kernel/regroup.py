@@ -16,6 +16,7 @@ must start clean.
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ def rebuild(
     framework: str,
     ranks: list[int],
     *,
-    queued: set[int] = frozenset(),
+    queued: AbstractSet[int] = frozenset(),
 ) -> Rebuilt:
     """Every rank in ``ranks`` leaves the group with its variables kept (DDP models unwrapped,
     wrapped again by the next cell on a new group: ``worker.release``). Sharded state (FSDP2)
@@ -95,7 +96,7 @@ def drop(
     ranks: list[int],
     *,
     already: set[str] | None = None,
-    queued: set[int] = frozenset(),
+    queued: AbstractSet[int] = frozenset(),
 ) -> list[str]:
     """Every rank in ``ranks`` drops its variables and its part of the group; returns the
     names dropped (with ``already``, those dropped earlier in the same job). A rank that does
@@ -115,7 +116,7 @@ def drop(
 
 
 def ask(
-    cluster: Cluster, ranks: list[int], fn: Any, *args: Any, queued: set[int] = frozenset()
+    cluster: Cluster, ranks: list[int], fn: Any, *args: Any, queued: AbstractSet[int] = frozenset()
 ) -> tuple[dict[int, Any], list[int]]:
     """``fn(*args)`` on every rank in ``ranks``, each answer awaited up to ``DROP_WAIT_S`` in
     all: the answers by rank, and the ranks that gave none (in ``queued``: not awaited)."""

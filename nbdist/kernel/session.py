@@ -177,7 +177,7 @@ class Session:
         # hold (nothing "stopped", nothing "gone", as a second notice said).
         cluster.stop(note=None if connected else "the workers were stopped")
         self.apply_changes()
-        if connected:
+        if isinstance(cluster, ConnectedCluster):
             self.cluster = self._local()
             return cluster.left_text() if was else "nbdist: no cluster was running"
         return "nbdist: cluster stopped" if was else "nbdist: no cluster was running"
@@ -266,12 +266,12 @@ class Session:
         if not isinstance(cluster, SlurmJobCluster) or framework != "torch":
             return
         try:
-            self._carry_out(cluster, framework)
+            carried = self._carry_out(cluster, framework)
         except Exception as e:  # noqa: BLE001 - said; the job still runs
             error.state = f"{error.state} The session could not be saved ({e})."
             return
         error.state = (
-            f"{self.carried.text()[0].upper()}{self.carried.text()[1:]}, and the group left. "
+            f"{carried.text()[0].upper()}{carried.text()[1:]}, and the group left. "
             f"%distrain start --slurm {cluster.request.words()} gives them to a new job's "
             "ranks (it cancels this one); a cell on this job before its end wraps the models "
             "again on a new group."
@@ -375,7 +375,7 @@ class Session:
             announce=self.notify, gone=gone, interrupted=interrupted,
             imports=self.imports(running),
         )  # fmt: skip
-        if healed is not None:
+        if healed is not None and framework is not None:  # (a healing had a framework)
             del self._changes[changes:]  # engines a TensorFlow healing replaced: nothing lost
             if self.curve:  # the healed models are new objects: the next cell's curve goes on
                 self.curve_key = HEALED
@@ -450,7 +450,9 @@ class Session:
     def _scan(
         self, opts: RunOptions, source: str, user_ns: dict[str, Any], cell: CellName
     ) -> ScanResult:
-        first, tree = opts.scan[0], parse_cell(source, cell)
+        sizes = opts.scan
+        assert sizes is not None  # (the caller runs a scan for --scan)
+        first, tree = sizes[0], parse_cell(source, cell)
 
         def run(n: int) -> DistrainResult:
             # One figure for the whole scan; the checker's warnings once, before the first run.
@@ -459,7 +461,7 @@ class Session:
             return self._run(single, source, tree, user_ns, cell)[0]
 
         scan = run_scan(
-            run, opts.scan, plot=opts.plot, display=self.display,
+            run, sizes, plot=opts.plot, display=self.display,
             out=lambda text: print(text, file=self.out),
         )  # fmt: skip
         if opts.out is not None:
@@ -489,6 +491,8 @@ class Session:
             if done.state in (SessionState.KEPT, SessionState.REBUILT) and not opts.fresh:
                 self.variables = done.names
             raise done.error
+        result, plan = done.result, done.plan
+        assert result is not None and plan is not None  # (the cell ran: an error was raised)
         if not opts.fresh:
             self.variables = (
                 done.names if opts.on is None else sorted({*self.variables, *done.names})
@@ -496,29 +500,29 @@ class Session:
         self.cells.append(
             CellRecord(
                 source=source,
-                framework=done.result.framework,
-                world_size=done.plan.world,
+                framework=result.framework,
+                world_size=plan.world,
                 autolog=opts.autolog,
-                push=done.plan.push,
+                push=plan.push,
                 strategy=opts.strategy,
                 backend=opts.backend,
                 fresh=opts.fresh,
                 on=opts.on,
-                nodes=_nodes(self.cluster.engines[: done.plan.world]),
-                slurm_job=_slurm_job(self.cluster.engines[: done.plan.world]),
+                nodes=_nodes(self.cluster.engines[: plan.world]),
+                slurm_job=_slurm_job(self.cluster.engines[: plan.world]),
                 name=cell or CellName(),
             )  # fmt: skip
         )
         if done.error is not None:  # a graceful stop: the cell is taken in, then the notice
             if getattr(done.error, "outside", False):
-                self._keep_for_next_job(done.error, done.result.framework)
+                self._keep_for_next_job(done.error, result.framework)
             raise done.error
         if done.pull_error is not None:
             raise UsageError(f"%%distrain: {done.pull_error} (the cell itself ran).")
         user_ns.update(done.pulled)
-        shown = shown_value(done.result)
+        shown = shown_value(result)
         self.phases.mark("result")
-        return done.result, shown
+        return result, shown
 
 
 def _nodes(engines: Any) -> tuple[tuple[str, str, str | None, int], ...]:
@@ -546,7 +550,7 @@ def shown_value(result: DistrainResult) -> Any:
     first_repr = without_addresses(ranks[0].value_repr or "")
     if all(without_addresses(r.value_repr or "") == first_repr for r in ranks) and _same(ranks):
         first = ranks[0]
-        return first.value if first.value is not None else _Repr(first.value_repr)
+        return first.value if first.value is not None else _Repr(first.value_repr or "")
     return PerRank(
         [r.value if r.value is not None else _Repr(r.value_repr or "None") for r in ranks],
         [r.rank for r in ranks],

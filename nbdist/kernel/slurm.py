@@ -348,11 +348,17 @@ class SlurmJobCluster(ConnectedCluster):
             raise
         self.source = f"Slurm job {job.job} ({request.words()}), controller on {ip}"
 
+    @property
+    def _folder(self) -> Path:
+        """The job's folder of scripts and output (made as the job starts)."""
+        assert self._scripts is not None
+        return self._scripts
+
     def _judge(self, program: Sequence[str]) -> None:
         """``sbatch --test-only`` on the very script: Slurm's refusal, in its words, before any
         job is queued (a partition or account it does not know, more than the cluster has)."""
-        path = self._scripts / "test-only.sh"
-        output = self._scripts / "test-only.out"
+        path = self._folder / "test-only.sh"
+        output = self._folder / "test-only.out"
         path.write_text(
             job_script(self.request, name="nbdist-test", output=output, program=shlex.join(program))
         )
@@ -373,7 +379,7 @@ class SlurmJobCluster(ConnectedCluster):
     def _start_controller(self, ip: str) -> None:
         import ipyparallel as ipp
 
-        folder = self._scripts / "profile"
+        folder = self._folder / "profile"
         folder.mkdir(mode=0o700)
         self._reaper = Reaper(run_dir())
         cluster = ipp.Cluster(
@@ -402,12 +408,12 @@ class SlurmJobCluster(ConnectedCluster):
 
         cluster = self._controller
         name = f"nbdist-{cluster.cluster_id}"
-        output = self._scripts / f"job-{len(self.jobs)}-%j.out"
+        output = self._folder / f"job-{len(self.jobs)}-%j.out"
         launcher = cluster.config.SlurmEngineSetLauncher
         launcher.batch_template = template(
             job_script(request, name=name, output=output, program=PROGRAM)
         )
-        launcher.batch_file_name = str(self._scripts / f"job-{len(self.jobs)}.sh")
+        launcher.batch_file_name = str(self._folder / f"job-{len(self.jobs)}.sh")
         # The launcher appends its own arguments to engine_cmd: the profile and the cluster id.
         launcher.engine_cmd = list(program)
         cluster.engine_launcher_class = SlurmEngineSetLauncher
@@ -496,9 +502,7 @@ class SlurmJobCluster(ConnectedCluster):
         controller = getattr(self._controller, "controller", None)
         if controller is not None and getattr(controller, "pid", None):
             pids.append(controller.pid)
-        self._reaper.record.write(
-            pids, jobs=[j.job for j in self.jobs], folder=str(self._scripts)
-        )
+        self._reaper.record.write(pids, jobs=[j.job for j in self.jobs], folder=str(self._scripts))
 
     # -- healing: a new job for the ranks that were lost -----------------------------------
     def replace_ranks(self, ranks: Sequence[int]) -> bool:

@@ -149,7 +149,7 @@ def warm_up(*, local_world_size: int, cpus: int) -> None:
 
 def prepare(
     *, rank: int, world_size: int, options: Mapping[str, Any], state: EngineState
-) -> dict[str, Any]:
+) -> Prepared:
     slot = state.slot(NAME)
     mode = _mode(options)
     if slot.get("mode") not in (None, mode):
@@ -209,7 +209,7 @@ def patch_keras() -> bool:
 
     original_reduce = tf_trainer.reduce_per_replica
 
-    def reduce_per_replica(values, strategy, reduction):
+    def reduce_per_replica(values: Any, strategy: Any, reduction: Any) -> Any:
         # Keras reduces scalar metrics across workers with axis=0, which scalars don't have.
         if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
             strategy
@@ -220,7 +220,7 @@ def patch_keras() -> bool:
             )
         return original_reduce(values, strategy, reduction)
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if self._distribute_strategy is None:
             return
         if iterator is not None:

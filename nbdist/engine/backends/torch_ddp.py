@@ -181,7 +181,7 @@ def prepare(
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.bind((addr, 0))
     listener.listen(128)
-    store_args = dict(
+    store_args: dict[str, Any] = dict(
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
@@ -254,7 +254,7 @@ def socket_ifnames(
     """
     if hardware.is_loopback(master_addr):
         iface = _loopback_interface()
-        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        names: tuple[str, ...] = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     else:
         iface = hardware.interface_of(own_address) if own_address else None
         names = ("GLOO_SOCKET_IFNAME",)
@@ -364,7 +364,7 @@ def collectives_run() -> int:
     total = 0
     for group in list(c10d._world.pg_map):
         try:
-            total += group._get_sequence_number_for_group()
+            total += group._get_sequence_number_for_group()  # type: ignore[attr-defined]
         except (AttributeError, RuntimeError):  # a backend that does not count
             continue
     return total
@@ -467,15 +467,16 @@ def _autolog(recorder: Any) -> Iterator[None]:
     # Wrapping the distributed wrappers' forward, not a global module hook: a global hook would
     # put every module call of the model on torch's slower hook path. FSDPModule has no forward
     # of its own; one is set for the run and removed after it.
-    DistributedDataParallel.forward = counting(real_forward)
+    # (mypy: assigning to a method is what this does)
+    DistributedDataParallel.forward = counting(real_forward)  # type: ignore[method-assign]
     if FSDPModule is not None:
         FSDPModule.forward = counting(fsdp_forward)
-    torch.Tensor.backward = backward
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
     try:
         yield
     finally:
-        torch.Tensor.backward = real_backward
-        DistributedDataParallel.forward = real_forward
+        torch.Tensor.backward = real_backward  # type: ignore[method-assign]
+        DistributedDataParallel.forward = real_forward  # type: ignore[method-assign]
         if FSDPModule is not None:
             del FSDPModule.forward
 
@@ -520,14 +521,14 @@ def _owned_process_group(backend: str, device: Any) -> Iterator[None]:
             real_destroy(group)
 
     for module in (dist, c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
+        setattr(module, "init_process_group", init_process_group)  # noqa: B010
+        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
     try:
         yield
     finally:
         for module in (dist, c10d):
-            module.init_process_group = real_init
-            module.destroy_process_group = real_destroy
+            setattr(module, "init_process_group", real_init)  # noqa: B010
+            setattr(module, "destroy_process_group", real_destroy)  # noqa: B010
 
 
 def stop_board(spec: RankSpec, state: EngineState) -> Any:
