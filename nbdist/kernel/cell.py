@@ -53,7 +53,7 @@ from nbdist.kernel.checks import calls
 from nbdist.kernel.display import HEALED, LiveView
 from nbdist.kernel.exposure import check_tf_exposure, check_tf_exposure_before_start
 from nbdist.kernel.figure import png_data
-from nbdist.kernel.healing import INTERRUPTED_TF
+from nbdist.kernel.healing import interrupt_text
 from nbdist.kernel.job import Job, Outcome, states
 from nbdist.kernel.libraries import independent_copies
 from nbdist.kernel.local import default_workers
@@ -275,7 +275,7 @@ class Cell:
             return SessionState.DROPPED, self.drop(framework, list(range(cluster.size)))
         interrupted = watch.interrupted or any(f.interrupted for f in outcome.failures)
         if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
-            cluster.replace_engines(why=INTERRUPTED_TF)
+            cluster.replace_engines(why=interrupt_text(framework))
             return SessionState.REPLACED, []
         if watch.reason is None and not outcome.failures:
             return SessionState.OK, []

@@ -109,7 +109,7 @@ def push(session: Session, names: tuple[str, ...], user_ns: dict[str, Any]) -> s
             source="",
             kind="push",
             push=values,
-            framework=session.framework or backends.FRAMEWORKS[0],
+            framework=session.framework or backends.frameworks()[0],
             world_size=session.cluster.size,
             autolog=False,
         )  # fmt: skip

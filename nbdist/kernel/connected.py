@@ -111,19 +111,19 @@ class ConnectedCluster(RankedEngines):
         try:
             self._learn_engines(timeout=timeout)
         except CompositeError as e:
+            # (An engine the client learnt had died as it asked it has no engine_id here: None,
+            # and the client's ids no longer list it.)
             died = {
-                int(info["engine_id"])
+                info.get("engine_id")
                 for ename, _, _, info in e.elist
-                if ename == "EngineError"
-                and isinstance(info, dict)
-                and info.get("engine_id") is not None
+                if ename == "EngineError" and isinstance(info, dict)
             }
             if not died or len(died) < len(e.elist):
                 raise
-            alive = sorted(set(self._client.ids) - died, key=int)
+            alive = sorted(set(self._client.ids) - died)
             if not alive:
                 raise
-            listed = ", ".join(map(str, sorted(died)))
+            listed = ", ".join(map(str, sorted(died, key=str)))
             self._notify(
                 f"nbdist: engine{'s' if len(died) > 1 else ''} {listed} died as nbdist "
                 "connected (the controller still listed it): left out"

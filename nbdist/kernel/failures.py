@@ -95,15 +95,12 @@ def rebuilt_line(
     again, and whether the replicas still agree, with the command that makes them agree (from
     rank 0, or from the first rank that did not raise)."""
     kept = f" ({', '.join(names)})" if names else ""
-    what = "strategy" if framework == "tf" else "process group"
-    line = f"The {what} was rebuilt and every rank kept its variables{kept}"
+    backend = backends.load(framework or backends.frameworks()[0])
+    line = f"The {backend.GROUP} was rebuilt and every rank kept its variables{kept}"
     if replicas is None or not replicas.models:
         return line + "."
     models = list(replicas.models)
-    if framework == "tf":
-        line += f"; the next cell builds {', '.join(models)} in its new strategy's scope"
-    else:
-        line += f"; the next cell wraps {', '.join(models)} in DistributedDataParallel again"
+    line += "; the next cell " + backend.REWRAP.format(models=", ".join(models))
     if not replicas.differ:
         one = len(models) == 1
         return line + f". {', '.join(models)} {'is' if one else 'are'} the same on every rank."

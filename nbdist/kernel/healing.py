@@ -31,7 +31,11 @@ from typing import Any
 from nbdist.engine import backends, healing
 from nbdist.kernel.engines import gather
 
-INTERRUPTED_TF = "an interrupt stopped TensorFlow, which cannot go on after one"
+
+def interrupt_text(framework: str) -> str:
+    """Why the engines of a framework that cannot go on after an interrupt are replaced."""
+    return f"an interrupt stopped {backends.load(framework).TITLE}, which cannot go on after one"
+
 
 HEAL_TIMEOUT_S = 120.0  # the survivors' leave, the snapshot, the new engines, the restores
 
@@ -48,7 +52,10 @@ class Healed:
     replaced: bool = True  # new engines took the dead ranks (False: the survivors go on alone)
     size: int = 0  # how many ranks the session has after it
     rebuilt: tuple[str, ...] = ()  # TensorFlow: Keras models built again in the new scope
-    everyone: bool = False  # TensorFlow: every engine was replaced, not only the dead ones
+    # TensorFlow: every engine was replaced, not only the dead ones, because its group cannot
+    # change its cluster: the framework's name and that group (the backend's TITLE and
+    # FIXED_CLUSTER), for the message.
+    everyone: tuple[str, str] | None = None
     modules: tuple[str, ...] = ()  # the names of the imports it carried
     samplers: tuple[str, ...] = ()  # DistributedSamplers, each rank's own shard at the next cell
 
@@ -58,9 +65,10 @@ class Healed:
         sent = f"rank {self.source}'s variables ({', '.join(self.sent) or 'none'})"
         if self.modules:
             sent += f" and imports ({', '.join(self.modules)})"
-        if self.everyone:
+        if self.everyone is not None:
+            title, group = self.everyone
             line = (
-                "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "
+                f"the session was healed as far as {title} allows: a {group} "
                 f"cannot change its cluster in place, so new engines took all {self.size} ranks, "
                 f"and every rank got {sent}"
             )
@@ -116,13 +124,17 @@ def why_not(
     in a cell the user interrupted, so the survivors took SIGINT too."""
     if not variables:
         return "the workers held no variables"
-    if framework not in ("torch", "tf"):
+    if framework is None:
         return "no framework's session to heal"
-    if interrupted and not backends.load(framework).SURVIVES_INTERRUPT:
-        return INTERRUPTED_TF  # nothing sound to heal from (the cell replaces every engine)
-    if framework == "tf" and not cluster.STARTS_ENGINES:
+    backend = backends.load(framework)
+    if backend.NOT_HEALED is not None:
+        return str(backend.NOT_HEALED)
+    if interrupted and not backend.SURVIVES_INTERRUPT:
+        # nothing sound to heal from (the cell replaces every engine)
+        return interrupt_text(framework)
+    if backend.FIXED_CLUSTER is not None and not cluster.STARTS_ENGINES:
         return (
-            "a TensorFlow MultiWorkerMirroredStrategy cannot change its cluster in place, and "
+            f"a {backend.TITLE} {backend.FIXED_CLUSTER} cannot change its cluster in place, and "
             "nbdist does not restart the engines of a connected cluster"
         )
     if len(set(dead)) >= cluster.size:
@@ -138,8 +150,10 @@ def heal(
     session arrives."""
     dead = sorted(set(dead))
     survivors = [r for r in range(cluster.size) if r not in dead]
-    if framework == "tf":
-        return _heal_tf(cluster, dead, survivors[0], imports)
+    backend = backends.load(framework)
+    if backend.FIXED_CLUSTER is not None:
+        fixed = (backend.TITLE, backend.FIXED_CLUSTER)
+        return _heal_every_engine(cluster, dead, survivors[0], imports, fixed)
     rewrap, snap = _leave_and_snapshot(cluster, framework, survivors)
     source_id = cluster.engines[survivors[0]].engine_id
     replaced = cluster.replace_ranks(dead)
@@ -173,6 +187,15 @@ class Carried:
                 + ")"
             )
         return line
+
+
+def can_carry(framework: str | None) -> bool:
+    """Whether a session of ``framework`` can go to the notebook and on to other engines (a
+    Slurm job's end): where a healing keeps the survivors' engines (torch)."""
+    if framework is None:
+        return False
+    backend = backends.load(framework)
+    return backend.NOT_HEALED is None and backend.FIXED_CLUSTER is None
 
 
 def carry_out(cluster: Any, framework: str, imports: tuple[str, ...]) -> Carried:
@@ -212,8 +235,9 @@ def _restore(
 
 def unhealable(cluster: Any, framework: str, dead: Sequence[int]) -> str | None:
     """Why what the survivors hold cannot rebuild the ranks ``dead`` (None: it can): sharded
-    state (FSDP2, DTensors), of which each survivor holds only its own shards."""
-    if framework == "tf":
+    state (FSDP2, DTensors), of which each survivor holds only its own shards. (A healing that
+    replaces every engine sends a survivor's whole models, built again in the next scope.)"""
+    if backends.load(framework).FIXED_CLUSTER is not None:
         return None
     split = cluster.apply_async(_source(cluster.size, dead), healing.sharded).get(HEAL_TIMEOUT_S)
     if not split:
@@ -230,14 +254,16 @@ def _late(rank: int) -> Exception:
     return TimeoutError(f"rank {rank} did not answer")
 
 
-def _heal_tf(cluster: Any, dead: list[int], source: int, imports: tuple[str, ...]) -> Healed:
+def _heal_every_engine(
+    cluster: Any, dead: list[int], source: int, imports: tuple[str, ...], fixed: tuple[str, str]
+) -> Healed:
     """TensorFlow's best: a survivor's variables (Keras models saved whole) to new engines on
     every rank, the models built at the next cell in the new strategy's scope."""
     snap = cluster.apply_async(source, healing.keras_snapshot).get(HEAL_TIMEOUT_S)
     lost = ", ".join(map(str, dead))
     cluster.replace_engines(
         notice="",  # the healing's first line said so
-        why=f"rank {lost} died, and a MultiWorkerMirroredStrategy cannot change its cluster",
+        why=f"rank {lost} died, and a {fixed[1]} cannot change its cluster",
         note=None,
     )
     ranks = list(range(cluster.size))
@@ -249,7 +275,7 @@ def _heal_tf(cluster: Any, dead: list[int], source: int, imports: tuple[str, ...
     )
     return Healed(
         ranks=tuple(dead), source=source, sent=tuple(snap.sent), unsent=dict(snap.unsent),
-        rewrapped=(), size=cluster.size, rebuilt=tuple(kept[0]), everyone=True,
+        rewrapped=(), size=cluster.size, rebuilt=tuple(kept[0]), everyone=fixed,
         modules=tuple(snap.modules),
     )  # fmt: skip
 
@@ -298,9 +324,10 @@ def announcement(framework: str | None, dead: Sequence[int], size: int) -> str:
     """What a healing is about to do, said as it starts."""
     dead = sorted(set(dead))
     source = _source(size, dead)
-    if framework == "tf":
+    fixed = backends.load(framework).FIXED_CLUSTER if framework is not None else None
+    if fixed is not None:
         return (
-            "healing the session: a MultiWorkerMirroredStrategy cannot change its cluster in "
+            f"healing the session: a {fixed} cannot change its cluster in "
             f"place, so every engine is being replaced and given rank {source}'s variables..."
         )
     many = len(dead) > 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from IPython.core.error import UsageError
 
-from nbdist.engine.backends import FRAMEWORKS
+from nbdist.engine.backends import frameworks
 
 BACKENDS = ("gloo", "nccl")
 
@@ -162,7 +162,7 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--framework",
-        choices=FRAMEWORKS,
+        choices=frameworks(),
         help="framework of the cell (default: inferred from the cell)",
     )
     p.add_argument(

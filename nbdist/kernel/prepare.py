@@ -36,7 +36,7 @@ def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
         raise UsageError(
             "%%distrain: cannot tell which framework this cell is for (it uses both "
             f"{' and '.join(sorted(found))}). Add --framework "
-            f"{'|'.join(backends.FRAMEWORKS)} to the %%distrain line."
+            f"{'|'.join(backends.frameworks())} to the %%distrain line."
         )
     if current is not None:
         return current

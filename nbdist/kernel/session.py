@@ -246,8 +246,9 @@ class Session:
         if not isinstance(cluster, SlurmJobCluster) or (near := cluster.near_end()) is None:
             return
         saved = ""
-        if self.carried is None and self.variables and self.framework == "torch":
-            saved = f"{self._carry_out(cluster, 'torch').text()}; "
+        framework = self.framework
+        if self.carried is None and self.variables and framework and healing.can_carry(framework):
+            saved = f"{self._carry_out(cluster, framework).text()}; "
         elif self.carried is not None:
             saved = "the session's variables are saved in the notebook; "
         saved = saved[:1].upper() + saved[1:]
@@ -263,7 +264,7 @@ class Session:
         from nbdist.kernel.slurm import SlurmJobCluster
 
         cluster = self.cluster
-        if not isinstance(cluster, SlurmJobCluster) or framework != "torch":
+        if not isinstance(cluster, SlurmJobCluster) or not healing.can_carry(framework):
             return
         try:
             carried = self._carry_out(cluster, framework)

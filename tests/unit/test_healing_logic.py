@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nbdist.engine.backends import tf_mwms
 from nbdist.kernel.healing import Healed, why_not
 
 
@@ -66,7 +67,8 @@ def test_what_a_healing_on_fewer_ranks_says():
 def test_what_a_tensorflow_healing_says():
     healed = Healed(
         ranks=(1,), source=0, sent=("epochs", "model"), unsent={"ds": "DatasetV2: TensorFlow "
-        "object of the old strategy"}, rewrapped=(), size=2, rebuilt=("model",), everyone=True,
+        "object of the old strategy"}, rewrapped=(), size=2, rebuilt=("model",),
+        everyone=(tf_mwms.TITLE, tf_mwms.FIXED_CLUSTER),
     )  # fmt: skip
     assert healed.text() == (
         "the session was healed as far as TensorFlow allows: a MultiWorkerMirroredStrategy "

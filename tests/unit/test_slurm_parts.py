@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 
 from nbdist.engine.hardware import slurm_task
 from nbdist.kernel.engines import rank_engines
-from nbdist.kernel.export import slurm_commands
+from nbdist.kernel.export_torch import slurm_commands
 from nbdist.kernel.magic import _joined_sbatch, _subcommand_parser, slurm_request
 from nbdist.kernel.runfiles import record_jobs
 from nbdist.kernel.slurm import (

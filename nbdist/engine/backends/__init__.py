@@ -13,6 +13,19 @@ A backend module provides:
 ``SURVIVES_INTERRUPT``
     whether an engine can run further cells after SIGINT interrupted one of its cells (if not,
     the engines are replaced).
+``NOT_HEALED``
+    why a session of it is never healed after a rank died (:mod:`nbdist.kernel.healing`), or
+    None: it is.
+``FIXED_CLUSTER``
+    None where a healing replaces only the dead ranks' engines (the survivors keep theirs and
+    leave the group; the next cell makes a new one); else the name of the group that cannot
+    change its cluster, and a healing replaces every engine instead.
+``GROUP`` and ``REWRAP``
+    what messages call the group a failure rebuilds, and what the next cell does with the
+    models kept (a format string of ``{models}``).
+``EXPORTER``
+    the module that writes its part of ``%distrain export``'s script (see
+    :mod:`nbdist.kernel.export`).
 ``OUTPUT_NOISE`` (optional)
     a regular expression for lines of the framework's own logging that the cell's output
     leaves out (they stay in the result's ``stderr``).
@@ -55,31 +68,53 @@ steps), ``KEEPS_RENDEZVOUS_AFTER_FAILURE``, ``RELEASE_FREES_PEERS``, ``SURVIVES_
 ``OUTPUT_NOISE``; and ``rendezvous_key(options, *, gpus, world)`` (what a group is made for)
 and ``opens_servers(options)`` (whether its job listens for code from anybody).
 
-Adding a framework is one new module and one line in ``_MODULES``.
+Adding a framework is one new module and one line in ``_MODULES``; or, from a package of its
+own, an entry point in the ``nbdist.backends`` group (name = the module), found in the notebook's
+kernel and in every engine that has the package installed::
+
+    [project.entry-points."nbdist.backends"]
+    jax = "nbdist_jax.backend"
+
+nbdist's own names come first; an entry point cannot replace one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
+
+ENTRY_POINTS = "nbdist.backends"
 
 _MODULES = {
     "torch": "nbdist.engine.backends.torch_ddp",
     "tf": "nbdist.engine.backends.tf_mwms",
 }
 
-FRAMEWORKS = tuple(_MODULES)
+
+@functools.cache
+def _registry() -> dict[str, str]:
+    """nbdist's backends, then those other packages register (scanned once: ~10 ms)."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}
+    return {**found, **_MODULES}  # (an entry point cannot replace nbdist's own)
+
+
+def frameworks() -> tuple[str, ...]:
+    """Every framework's name, nbdist's own first (the first installed one is the default)."""
+    return (*_MODULES, *(name for name in _registry() if name not in _MODULES))
 
 
 def all_backends() -> list[ModuleType]:
-    """Every backend, in ``FRAMEWORKS`` order (the first installed one is the default)."""
-    return [load(name) for name in FRAMEWORKS]
+    """Every backend, in :func:`frameworks` order."""
+    return [load(name) for name in frameworks()]
 
 
 def load(framework: str) -> ModuleType:
     """The backend module for ``framework`` (imports no framework itself)."""
-    try:
-        return importlib.import_module(_MODULES[framework])
-    except KeyError:
-        known = ", ".join(FRAMEWORKS)
-        raise ValueError(f"unknown framework {framework!r}; use one of: {known}") from None
+    module = _MODULES.get(framework) or _registry().get(framework)
+    if module is None:
+        known = ", ".join(frameworks())
+        raise ValueError(f"unknown framework {framework!r}; use one of: {known}")
+    return importlib.import_module(module)

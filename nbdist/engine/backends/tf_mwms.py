@@ -71,6 +71,14 @@ RELEASE_FREES_PEERS = False
 # engines segfaulted (in the main thread and in "collective_ops", about every other full test
 # run here). Engines that got SIGINT during a TF cell are replaced.
 SURVIVES_INTERRUPT = False
+# Healing (nbdist.kernel.healing): this strategy cannot change its cluster in place, so a
+# healing replaces every engine, each taking a survivor's variables (its Keras models saved
+# whole), and the next cell builds the models again in its new strategy's scope.
+NOT_HEALED = None  # (it heals)
+FIXED_CLUSTER = "MultiWorkerMirroredStrategy"  # the group that cannot change its cluster
+GROUP = "strategy"  # what messages call what a failure rebuilds
+REWRAP = "builds {models} in its new strategy's scope"  # the next cell, for kept models
+EXPORTER = "nbdist.kernel.export_tf"  # %distrain export's part for it (a kernel module)
 # TensorFlow's C++ runtime logs through absl, which ignores TF_CPP_MIN_LOG_LEVEL for what it
 # writes before absl::InitializeLog: "I0000 00:00:1796295494.300853    9290 coordination_
 # service.cc:221] Initializing CoordinationService" and a dozen more per new strategy, captured

@@ -65,6 +65,13 @@ GRACEFUL_STOP = True
 KEEPS_RENDEZVOUS_AFTER_FAILURE = False
 RELEASE_FREES_PEERS = True  # a rank that destroys its group frees its blocked peers in ~1 s
 SURVIVES_INTERRUPT = True  # an interrupted rank drops its group and works on
+# Healing (nbdist.kernel.healing): new engines take the dead ranks, the survivors keep theirs,
+# and every rank gets one survivor's variables; the next cell wraps the DDP models again.
+NOT_HEALED = None  # (it heals)
+FIXED_CLUSTER = None  # (its group can be made anew for other engines: not every one goes)
+GROUP = "process group"  # what messages call what a failure rebuilds
+REWRAP = "wraps {models} in DistributedDataParallel again"  # the next cell, for kept models
+EXPORTER = "nbdist.kernel.export_torch"  # %distrain export's part for it (a kernel module)
 COLLECTIVE_TIMEOUT_S = 60
 
 log = logging.getLogger(__name__)
