@@ -156,12 +156,92 @@ def busy_gpus_notice(
     )
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+def affinity_cpus() -> int:
+    """CPUs this process may be scheduled on (its affinity mask, not the machine's count)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, and fewer where a CPU quota of its cgroup
+    (a JupyterHub spawner's ``cpu_limit``, a container's ``--cpus``) allows less time than that,
+    rounded down (at least 1)."""
+    cpus = affinity_cpus()
+    quota = cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, int(quota)))
+
+
+def cpu_quota(proc: str = "/proc/self") -> float | None:
+    """The CPUs' worth of time this process's cgroups allow (quota / period, the smallest along
+    the path from its cgroup to the hierarchy's root, cgroup v2's ``cpu.max`` or v1's
+    ``cpu.cfs_quota_us``), None without a limit or where there are no cgroups to read."""
+    try:
+        with open(f"{proc}/cgroup") as f:
+            memberships = [line.rstrip("\n").split(":", 2) for line in f]
+        with open(f"{proc}/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    limits = []
+    for entry in memberships:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        v2 = not controllers  # "0::/path": the unified hierarchy
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        for root, mount in _cgroup_mounts(mounts, v2=v2, wanted="cpu"):
+            limits += _quotas_along(mount, root, path, v2=v2)
+    return min(limits) if limits else None
+
+
+def _cgroup_mounts(mounts: list[list[str]], *, v2: bool, wanted: str) -> list[tuple[str, str]]:
+    """(the cgroup path mounted, where) for each cgroup2 mount, or each v1 mount of ``wanted``'s
+    controller, from /proc/self/mountinfo (fields: ... root mountpoint ... - fstype source opts)."""
+    out = []
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        fstype, options = fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""
+        if fstype == ("cgroup2" if v2 else "cgroup") and (v2 or wanted in options.split(",")):
+            out.append((fields[3], fields[4]))
+    return out
+
+
+def _quotas_along(mount: str, root: str, path: str, *, v2: bool) -> list[float]:
+    """The CPU quotas of the cgroup at ``path`` and of its ancestors up to the mount's root."""
+    if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
+        path = path[len(root.rstrip("/")) :] or "/"  # a container's namespace: its own root
+    here = os.path.join(mount, path.lstrip("/"))
+    out = []
+    while True:
+        quota = _quota_in(here, v2=v2)
+        if quota is not None:
+            out.append(quota)
+        if os.path.normpath(here) == os.path.normpath(mount):
+            return out
+        here = os.path.dirname(here)
+
+
+def _quota_in(folder: str, *, v2: bool) -> float | None:
+    try:
+        if v2:
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota_text, period_text = f.read().split()
+            if quota_text == "max":
+                return None
+            quota, period = int(quota_text), int(period_text)
+        else:
+            with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                quota = int(f.read())
+            with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 ADDRESS_ENV = "NBDIST_ADDRESS"

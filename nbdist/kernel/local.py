@@ -24,7 +24,14 @@ from typing import Any
 
 from nbdist.engine import backends, worker
 from nbdist.engine.env import sigint_ignored
-from nbdist.engine.hardware import busy_gpus_notice, gpu_holders, usable_cpus, visible_gpus
+from nbdist.engine.hardware import (
+    affinity_cpus,
+    busy_gpus_notice,
+    cpu_quota,
+    gpu_holders,
+    usable_cpus,
+    visible_gpus,
+)
 from nbdist.errors import ClusterError
 from nbdist.kernel.connfile import quiet_late_replies
 from nbdist.kernel.engines import EngineInfo, RankedEngines, exit_text
@@ -118,6 +125,7 @@ class LocalCluster(RankedEngines):
 
         for notice in (
             more_workers_than_gpus(n),
+            more_workers_than_cpus(n),
             busy_gpus_notice(visible_gpus(), gpu_holders(), me=os.getpid()),
         ):
             if notice:
@@ -722,6 +730,29 @@ def _start_failed(n: int, e: BaseException) -> ClusterError:
     else:
         advice = "Run %distrain start again."
     return ClusterError(f"could not start {n} local engines: {cause}. {advice}")
+
+
+def more_workers_than_cpus(n: int, *, total: int | None = None) -> str | None:
+    """The notice for ``n`` CPU workers on fewer CPUs than that, where this kernel may use
+    fewer than the machine has (a JupyterHub's ``cpu_limit``, a container's ``--cpus``, an
+    affinity mask); ``total``: the machine's count."""
+    gpus = len(visible_gpus())
+    if gpus and n <= gpus:
+        return None  # one GPU each
+    cpus, machine = usable_cpus(), total or os.cpu_count() or 1
+    if n <= cpus or cpus >= machine:
+        return None
+    quota = cpu_quota()
+    why = (
+        f"its cgroup's CPU quota is {quota:g} CPU{'s' if quota != 1 else ''}"
+        if quota is not None and int(quota) < affinity_cpus()
+        else "its CPU affinity"
+    )
+    return (
+        f"nbdist: {n} workers on the {cpus} CPU{'s' if cpus > 1 else ''} this kernel may use of "
+        f"the machine's {machine} ({why}): they take turns, and every step waits for the "
+        f"slowest; -n {cpus} gives each worker a CPU of its own."
+    )
 
 
 def more_workers_than_gpus(n: int) -> str | None:

@@ -1,0 +1,75 @@
+"""Limits a JupyterHub's spawner sets on a student's server, for real: a kernel in a cgroup
+whose CPU quota is one CPU of the machine's (``cpu_limit = 1``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster]
+
+CPU_V1 = Path("/sys/fs/cgroup/cpu")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json
+    from IPython.testing.globalipapp import start_ipython
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "nbdist")
+    ip.run_line_magic("distrain", "start -n 2")
+    cluster = ip.magics_manager.registry["DistrainMagics"].cluster
+    print("=== engines", json.dumps([e.cpus for e in cluster.engines]), flush=True)
+    ip.run_line_magic("distrain", "stop")
+    """
+)
+
+
+@pytest.fixture
+def one_cpu():
+    """A cgroup (v1's cpu controller, as this machine has it) allowed 1 CPU's worth of time."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("a quota below the machine's count needs 2 CPUs or more")
+    folder = CPU_V1 / f"nbdist-test-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir()
+        (folder / "cpu.cfs_period_us").write_text("100000")
+        (folder / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup with a CPU quota here ({e}): needs root and cgroup v1's "
+                    "cpu controller mounted at /sys/fs/cgroup/cpu")  # fmt: skip
+    yield folder
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            folder.rmdir()
+            return
+        except OSError:  # an engine still exiting
+            assert time.monotonic() < deadline, (folder / "cgroup.procs").read_text()
+            time.sleep(0.1)
+
+
+def test_workers_count_the_cpus_a_quota_allows(one_cpu):
+    def join() -> None:
+        (one_cpu / "cgroup.procs").write_text(str(os.getpid()))
+
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=180, preexec_fn=join,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    machine = os.cpu_count()
+    assert (
+        f"nbdist: 2 workers on the 1 CPU this kernel may use of the machine's {machine} (its "
+        "cgroup's CPU quota is 1 CPU): they take turns, and every step waits for the slowest; "
+        "-n 1 gives each worker a CPU of its own." in run.stdout.splitlines()
+    ), run.stdout
+    engines = run.stdout.split("=== engines ")[1].splitlines()[0]
+    assert json.loads(engines) == [1, 1]  # each engine counts the CPU it may use
