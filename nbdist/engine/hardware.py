@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Mapping
+from typing import Any
 
 from nbdist.protocol import EngineReport, SlurmTask
 
@@ -184,17 +185,41 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
             mounts = [line.split() for line in f]
     except OSError:
         return None
-    limits = []
+    limits = [q for _, q in _along(memberships, mounts, "cpu", _quota_in)]
+    return min(limits) if limits else None
+
+
+def memory_room(proc: str = "/proc/self") -> tuple[int, int] | None:
+    """The tightest memory limit of this process's cgroups (cgroup v2's ``memory.max``, v1's
+    ``memory.limit_in_bytes``, from its cgroup up: a JupyterHub spawner's ``mem_limit``) and
+    what that cgroup uses now, in bytes; None without a limit."""
+    try:
+        with open(f"{proc}/cgroup") as f:
+            memberships = [line.rstrip("\n").split(":", 2) for line in f]
+        with open(f"{proc}/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    found = [room for _, room in _along(memberships, mounts, "memory", _memory_in)]
+    return min(found, key=lambda room: room[0] - room[1]) if found else None
+
+
+def _along(
+    memberships: list[list[str]], mounts: list[list[str]], controller: str, read: Any
+) -> list[tuple[str, Any]]:
+    """``read(folder, v2=...)`` for the cgroup of ``controller`` this process is in and each
+    of its ancestors up to the hierarchy's root: (folder, value) where a value was read."""
+    out = []
     for entry in memberships:
         if len(entry) != 3:
             continue
         _, controllers, path = entry
         v2 = not controllers  # "0::/path": the unified hierarchy
-        if not v2 and "cpu" not in controllers.split(","):
+        if not v2 and controller not in controllers.split(","):
             continue
-        for root, mount in _cgroup_mounts(mounts, v2=v2, wanted="cpu"):
-            limits += _quotas_along(mount, root, path, v2=v2)
-    return min(limits) if limits else None
+        for root, mount in _cgroup_mounts(mounts, v2=v2, wanted=controller):
+            out += _values_along(mount, root, path, read, v2=v2)
+    return out
 
 
 def _cgroup_mounts(mounts: list[list[str]], *, v2: bool, wanted: str) -> list[tuple[str, str]]:
@@ -211,19 +236,38 @@ def _cgroup_mounts(mounts: list[list[str]], *, v2: bool, wanted: str) -> list[tu
     return out
 
 
-def _quotas_along(mount: str, root: str, path: str, *, v2: bool) -> list[float]:
-    """The CPU quotas of the cgroup at ``path`` and of its ancestors up to the mount's root."""
+def _values_along(
+    mount: str, root: str, path: str, read: Any, *, v2: bool
+) -> list[tuple[str, Any]]:
+    """What ``read`` finds in the cgroup at ``path`` and its ancestors up to the mount's root."""
     if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
         path = path[len(root.rstrip("/")) :] or "/"  # a container's namespace: its own root
     here = os.path.join(mount, path.lstrip("/"))
     out = []
     while True:
-        quota = _quota_in(here, v2=v2)
-        if quota is not None:
-            out.append(quota)
+        value = read(here, v2=v2)
+        if value is not None:
+            out.append((here, value))
         if os.path.normpath(here) == os.path.normpath(mount):
             return out
         here = os.path.dirname(here)
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _memory_in(folder: str, *, v2: bool) -> tuple[int, int] | None:
+    limit_file, used_file = ("memory.max", "memory.current") if v2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            text = f.read().strip()
+        if text == "max" or int(text) >= _NO_LIMIT:
+            return None
+        with open(os.path.join(folder, used_file)) as f:
+            return int(text), int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _quota_in(folder: str, *, v2: bool) -> float | None:

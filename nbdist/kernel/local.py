@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from importlib.util import find_spec
 from typing import Any
 
 from nbdist.engine import backends, worker
@@ -29,6 +30,7 @@ from nbdist.engine.hardware import (
     busy_gpus_notice,
     cpu_quota,
     gpu_holders,
+    memory_room,
     usable_cpus,
     visible_gpus,
 )
@@ -123,6 +125,7 @@ class LocalCluster(RankedEngines):
             if cancel is not None and cancel.is_set():
                 raise KeyboardInterrupt
 
+        too_little_memory(n, self.preload)
         for notice in (
             more_workers_than_gpus(n),
             more_workers_than_cpus(n),
@@ -730,6 +733,39 @@ def _start_failed(n: int, e: BaseException) -> ClusterError:
     else:
         advice = "Run %distrain start again."
     return ClusterError(f"could not start {n} local engines: {cause}. {advice}")
+
+
+def too_little_memory(n: int, framework: str | None, room: tuple[int, int] | None = None) -> None:
+    """A ClusterError, before anything starts, when the memory limit of this kernel's cgroup (a
+    JupyterHub's ``mem_limit``) leaves less than ``n`` workers of ``framework`` (the first
+    installed one when not known yet) need at the least: an out-of-memory kill mid-start, or at
+    the first cell, would say less. ``room``: (limit, in use) in bytes, else read."""
+    room = room if room is not None else memory_room()
+    if room is None:
+        return
+    if framework is None:
+        installed = [b for b in backends.all_backends() if find_spec(b.MODULE) is not None]
+        framework = installed[0].NAME if installed else None
+    if framework is None:
+        return
+    backend = backends.load(framework)
+    limit, used = room
+    free, each = max(0, limit - used), backend.ENGINE_MB * 2**20
+    if n * each <= free:
+        return
+    fits = free // each
+    fewer = f"fewer workers (-n {fits})" if fits else "no worker fits"
+    raise ClusterError(
+        f"{n} workers need about {_size(n * each)} of memory ({backend.ENGINE_MB} MB each: an "
+        f"engine after a first small {backend.TITLE} cell, as measured on nbdist's test machine; "
+        f"training needs more), and this kernel's memory limit leaves {_size(free)} (its cgroup "
+        f"allows {_size(limit)}, {_size(used)} in use): {fewer}. Ask for more memory (a "
+        "JupyterHub's mem_limit), or close other notebooks' kernels."
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MB"
 
 
 def more_workers_than_cpus(n: int, *, total: int | None = None) -> str | None:

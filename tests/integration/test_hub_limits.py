@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,75 @@ def test_workers_count_the_cpus_a_quota_allows(one_cpu):
     ), run.stdout
     engines = run.stdout.split("=== engines ")[1].splitlines()[0]
     assert json.loads(engines) == [1, 1]  # each engine counts the CPU it may use
+
+
+MEMORY_V1 = Path("/sys/fs/cgroup/memory")
+
+TOO_MANY = textwrap.dedent(
+    """
+    import psutil
+    from IPython.testing.globalipapp import start_ipython
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "nbdist")
+    limit = int(open(sys.argv[1] + "/memory.limit_in_bytes").read())
+    used = int(open(sys.argv[1] + "/memory.usage_in_bytes").read())
+    print("=== room", (limit - used) // 2**20, flush=True)
+    try:
+        ip.run_line_magic("distrain", "start -n 3")
+    except Exception as e:
+        print("=== refused", type(e).__name__, e, flush=True)
+    print("=== children", len(psutil.Process().children(recursive=True)), flush=True)
+    ip.run_line_magic("distrain", "start -n 1")
+    cluster = ip.magics_manager.registry["DistrainMagics"].cluster
+    print("=== started", len(cluster.engines), flush=True)
+    ip.run_line_magic("distrain", "stop")
+    """
+)
+
+
+@pytest.fixture
+def small_memory():
+    """A memory cgroup (v1's controller, as this machine has it) whose limit leaves about 700 MB
+    beyond what a fresh kernel uses: one torch worker fits, three do not."""
+    folder = MEMORY_V1 / f"nbdist-test-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir()
+        (folder / "memory.limit_in_bytes").write_text(str(800 * 2**20))
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup with a memory limit here ({e}): needs root and cgroup "
+                    "v1's memory controller mounted at /sys/fs/cgroup/memory")  # fmt: skip
+    yield folder
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            folder.rmdir()
+            return
+        except OSError:  # an engine still exiting
+            assert time.monotonic() < deadline, (folder / "cgroup.procs").read_text()
+            time.sleep(0.1)
+
+
+def test_a_memory_limit_too_small_for_the_workers_is_said_before_the_start(small_memory):
+    def join() -> None:
+        (small_memory / "cgroup.procs").write_text(str(os.getpid()))
+
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + TOO_MANY, str(small_memory)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+        preexec_fn=join,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    parts = dict(p.split(" ", 1) for p in run.stdout.split("=== ")[1:])
+    room = int(parts["room"].split()[0])
+    assert 600 < room < 800, run.stdout  # what a fresh kernel leaves of the 800 MB
+    refused = parts["refused"].strip()
+    assert re.fullmatch(
+        r"ClusterError 3 workers need about 975 MB of memory \(325 MB each: an engine after a "
+        r"first small torch cell, as measured on nbdist's test machine; training needs more\), "
+        r"and this kernel's memory limit leaves (\d+) MB \(its cgroup allows 800 MB, (\d+) MB in "
+        r"use\): fewer workers \(-n (\d)\)\. Ask for more memory \(a JupyterHub's mem_limit\), or "
+        r"close other notebooks' kernels\.",
+        refused,
+    ), refused
+    assert parts["children"].splitlines()[0] == "0"  # nothing was started
+    assert parts["started"].splitlines()[0] == "1"

@@ -26,6 +26,9 @@ A backend module provides:
 ``EXPORTER``
     the module that writes its part of ``%distrain export``'s script (see
     :mod:`nbdist.kernel.export`).
+``ENGINE_MB``
+    an engine's resident memory after a first small cell of it (measured): the least each
+    worker needs, which a start checks the kernel's memory limit against.
 ``OUTPUT_NOISE`` (optional)
     a regular expression for lines of the framework's own logging that the cell's output
     leaves out (they stay in the result's ``stderr``).

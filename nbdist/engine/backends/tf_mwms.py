@@ -79,6 +79,7 @@ FIXED_CLUSTER = "MultiWorkerMirroredStrategy"  # the group that cannot change it
 GROUP = "strategy"  # what messages call what a failure rebuilds
 REWRAP = "builds {models} in its new strategy's scope"  # the next cell, for kept models
 EXPORTER = "nbdist.kernel.export_tf"  # %distrain export's part for it (a kernel module)
+ENGINE_MB = 596  # as torch's ENGINE_MB: TensorFlow 2.21's CPU build, measured the same way
 # TensorFlow's C++ runtime logs through absl, which ignores TF_CPP_MIN_LOG_LEVEL for what it
 # writes before absl::InitializeLog: "I0000 00:00:1796295494.300853    9290 coordination_
 # service.cc:221] Initializing CoordinationService" and a dozen more per new strategy, captured

@@ -72,6 +72,10 @@ FIXED_CLUSTER = None  # (its group can be made anew for other engines: not every
 GROUP = "process group"  # what messages call what a failure rebuilds
 REWRAP = "wraps {models} in DistributedDataParallel again"  # the next cell, for kept models
 EXPORTER = "nbdist.kernel.export_torch"  # %distrain export's part for it (a kernel module)
+# An engine's resident memory after a first small cell of it, the floor a start checks a
+# memory limit against: measured here (torch 2.13's CPU build, Python 3.11, 2026-12-06; a
+# bare engine is 66 MB). CUDA's context adds host memory on a GPU machine.
+ENGINE_MB = 325
 COLLECTIVE_TIMEOUT_S = 60
 
 log = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ FIXED_CLUSTER = None
 GROUP = "toy world"
 REWRAP = "uses {models} as they are"
 EXPORTER = __name__
+ENGINE_MB = 66  # a bare engine's resident memory
 
 
 def workers_used(options: Mapping[str, Any], available: int) -> int:
