@@ -22,7 +22,13 @@ from typing import Any
 
 from nbdist.engine import worker
 from nbdist.errors import ClusterError
-from nbdist.kernel.engines import SETUP_TIMEOUT_S, EngineInfo, RankedEngines, settle_addresses
+from nbdist.kernel.engines import (
+    ENGINE_DIED,
+    SETUP_TIMEOUT_S,
+    EngineInfo,
+    RankedEngines,
+    settle_addresses,
+)
 from nbdist.kernel.runfiles import Reaper, kill_tree, run_dir, started
 from nbdist.protocol import EngineReport
 
@@ -116,7 +122,7 @@ class ConnectedCluster(RankedEngines):
             died = {
                 info.get("engine_id")
                 for ename, _, _, info in e.elist
-                if ename == "EngineError" and isinstance(info, dict)
+                if ename == ENGINE_DIED and isinstance(info, dict)
             }
             if not died or len(died) < len(e.elist):
                 raise

@@ -19,7 +19,7 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 from nbdist.engine import debugging
 from nbdist.errors import WorkerError
 from nbdist.kernel.breakpoints import show
-from nbdist.kernel.engines import remote_message
+from nbdist.kernel.engines import remote_message, reply
 
 OPEN_TIMEOUT_S = 30.0
 POLL_S = 0.5
@@ -152,12 +152,10 @@ def _first_holding(cluster: Any) -> int:
     timeout shows no one rank)."""
     ranks = [e.rank for e in cluster.engines]
     ars = [cluster.apply_async(r, debugging.held) for r in ranks]
-    for r, ar in zip(ranks, ars, strict=True):
-        try:
-            if ar.get(OPEN_TIMEOUT_S) is not None:
-                return r
-        except Exception:  # noqa: S112 - a rank that cannot say holds nothing to look at
-            continue
+    for r, ar in zip(ranks, ars, strict=True):  # the lowest first, without waiting for the others
+        answer = reply(r, ar, OPEN_TIMEOUT_S)  # (a rank that cannot say holds nothing)
+        if answer.ok and answer.value is not None:
+            return r
     raise UsageError(
         "%distrain debug: no rank holds the frames of the cell that failed (a rank that was "
         "interrupted or stopped at a step keeps none; one that died took them with it)."
@@ -207,12 +205,12 @@ def where(session: Any, out: Callable[[str], None] = print) -> None:
             out(f"rank {r}: still runs {session.still_running[r]}")
             told = True
             continue
-        try:
-            text = ars[r].get(OPEN_TIMEOUT_S)
-        except Exception as e:
-            out(f"rank {r}: did not say ({remote_message(e)})")
+        answer = reply(r, ars[r], OPEN_TIMEOUT_S)
+        if answer.error is not None:
+            out(f"rank {r}: did not say ({remote_message(answer.error)})")
             told = True
             continue
+        text = answer.value
         if text is not None:
             out(f"rank {r}: {text}")
             told = True

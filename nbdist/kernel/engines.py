@@ -10,6 +10,7 @@ GPU pinning), and rank 0's host is ``MASTER_ADDR``. Plain data in, plain data ou
 
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 import time
@@ -515,6 +516,59 @@ def remote_message(e: Exception) -> str:
     return f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
 
 
+class Status(enum.Enum):
+    """How one rank's task ended, as :func:`reply` reads ipyparallel's answer."""
+
+    OK = "ok"
+    FAILED = "failed"  # it raised (``Reply.error``: ipyparallel's RemoteError, or the client's)
+    LATE = "late"  # no answer within the time given
+    DIED = "died"  # ipyparallel failed it because its engine died (the engine's nanny said so)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One rank's task: how it ended, and its value or its error."""
+
+    rank: int
+    status: Status
+    value: Any = None
+    error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+ENGINE_DIED = "EngineError"  # what ipyparallel names the error of a task whose engine died
+
+
+def engine_died(error: BaseException) -> bool:
+    """Whether ipyparallel failed a task itself because its engine died: a ``RemoteError`` (or
+    the client's own ``EngineError``) named ``EngineError``."""
+    return getattr(error, "ename", type(error).__name__) == ENGINE_DIED
+
+
+def reply(rank: int, ar: Any, timeout: float) -> Reply:
+    """The task ``ar`` of ``rank``, waited for up to ``timeout`` seconds (0: as it is now).
+    Every way ipyparallel reports an outcome is mapped here."""
+    try:
+        return Reply(rank, Status.OK, ar.get(timeout))
+    except TimeoutError as e:
+        return Reply(rank, Status.LATE, error=e)
+    except Exception as e:  # noqa: BLE001 - what the task raised, or what ipyparallel did
+        return Reply(rank, Status.DIED if engine_died(e) else Status.FAILED, error=e)
+
+
+def replies(ranks: Sequence[int], ars: Sequence[Any], timeout: float) -> list[Reply]:
+    """One :class:`Reply` per rank of ``ranks`` (its task in ``ars``), all within ``timeout``
+    seconds together; late and failed ranks are replies too, never raised."""
+    deadline = time.monotonic() + timeout
+    return [
+        reply(rank, ar, max(0.0, deadline - time.monotonic()))
+        for rank, ar in zip(ranks, ars, strict=True)
+    ]
+
+
 def gather(
     ranks: Sequence[int],
     ars: Sequence[Any],
@@ -529,12 +583,12 @@ def gather(
     deadline = time.monotonic() + timeout
     out = []
     for rank, ar in zip(ranks, ars, strict=True):
-        try:
-            out.append(ar.get(max(0.0, deadline - time.monotonic())))
-        except TimeoutError:
+        got = reply(rank, ar, max(0.0, deadline - time.monotonic()))
+        if got.status is Status.LATE:
             raise late(rank) from None
-        except Exception as e:
+        if got.error is not None:
             if failed is None:
-                raise
-            raise failed(rank, e) from None
+                raise got.error
+            raise failed(rank, got.error) from None
+        out.append(got.value)
     return out

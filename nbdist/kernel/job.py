@@ -33,13 +33,14 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from nbdist.engine import backends, worker
 from nbdist.errors import RankFailure
 from nbdist.kernel.breakpoints import Desk
 from nbdist.kernel.cluster import Cluster
 from nbdist.kernel.display import LiveView
+from nbdist.kernel.engines import Status, replies, reply
 from nbdist.kernel.metrics import MetricsStream, Rounds
 from nbdist.kernel.phases import Phases
 from nbdist.kernel.relay import OutputRelay
@@ -110,6 +111,25 @@ class Outcome:
     stop_wait: float = GRACEFUL_WAIT_S  # how long the graceful stop was given
 
 
+class Clock(Protocol):
+    """What a job reads the time from and waits with: the real one, or a test's."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float, /) -> None: ...
+
+
+class _RealClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float, /) -> None:
+        time.sleep(seconds)
+
+
+REAL_CLOCK: Clock = _RealClock()
+
+
 class Job:
     """Runs ``specs`` (one per rank that takes part) and watches them until each is done."""
 
@@ -126,7 +146,9 @@ class Job:
         left_out: Sequence[RankSpec] = (),
         display: Any = None,
         breakpoints: Desk | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock = clock or REAL_CLOCK  # every wait and deadline of the job reads it
         self.cluster = cluster
         self.breakpoints = breakpoints  # ranks at breakpoint(), prompted for in the notebook
         self._out = out
@@ -145,7 +167,7 @@ class Job:
         self._joining: list[Any] = []
         self._release: dict[int, Any] = {}  # session rank -> its worker.release AsyncResult
         self._frees_peers = True  # the backend's RELEASE_FREES_PEERS, read in run()
-        self._blocked_at = 0.0  # when the pending ranks' CPU was last sampled after a failure
+        self._blocked_at: float | None = None  # when the pending ranks' CPU was last sampled
         self._blocked_cpu: dict[int, float] | None = None
         self.ars: list[Any] = []
         self._release_s = 0.0
@@ -162,7 +184,7 @@ class Job:
         ranks that died or had to be killed are in the outcome's ``lost``. ``phases``: where
         the time goes (memory, submit, watch, settle)."""
         phases = phases or Phases()
-        start = time.monotonic()
+        start = self.clock.monotonic()
         self.cluster.note_memory()
         phases.mark("memory")
         # An --on cell: the ranks it leaves out still take part in setting up the group (a
@@ -188,7 +210,7 @@ class Job:
             if self.breakpoints is not None:
                 self.breakpoints.end_cell()
         phases.mark("watch")
-        wall = time.monotonic() - start
+        wall = self.clock.monotonic() - start
         watch = self.watch
         # ipyparallel may report a dead engine's task as failed before our liveness poll did.
         # A rank nbdist killed itself is "stopped", never "died".
@@ -198,17 +220,17 @@ class Job:
         # before it is a zombie, and meanwhile it looked alive (a CI run: the cell then ended
         # as an ordinary error, and the health check found the engine gone).
         unreported = {p for p, ar in enumerate(ars) if ar.ready() and _engine_died(ar)}
-        deadline = time.monotonic() + EXIT_WAIT_S
-        while unreported - seen_dead - set(watch.killed) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = self.clock.monotonic() + EXIT_WAIT_S
+        while unreported - seen_dead - set(watch.killed) and self.clock.monotonic() < deadline:
+            self.clock.sleep(0.05)
             seen_dead |= set(self._dead(sorted(unreported - seen_dead)))
         watch.dead = sorted(seen_dead - set(watch.killed))
         # A task's result can overtake its last printed lines (they come on another channel):
         # seen in a notebook, a 0.05 s cell whose prints never showed.
-        deadline = time.monotonic() + LAST_OUTPUT_WAIT_S
+        deadline = self.clock.monotonic() + LAST_OUTPUT_WAIT_S
         for p, ar in enumerate(ars):
             if ar.ready() and p not in watch.dead and p not in watch.killed:
-                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+                ar.wait_for_output(max(0.0, deadline - self.clock.monotonic()))
         self.outputs.pump(ars, final=True)
         outcome = Outcome(
             ranks=self.ranks, world=self.world, ars=ars, watch=watch, wall=wall, reports={},
@@ -230,16 +252,16 @@ class Job:
         watch, ars = outcome.watch, outcome.ars
         if not outcome.lost:
             self._confirm_released(outcome)
-        deadline = time.monotonic() + RELEASED_WAIT_S
-        for ar in self._joining:  # quick: setting up a group the ranks that run the cell joined
-            try:
-                ar.get(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - the cell's own ranks report what went wrong
-                log.debug("a left-out rank could not join the group", exc_info=True)
+        # Quick: setting up a group the ranks that run the cell joined. What went wrong, the
+        # cell's own ranks report.
+        joined = replies(range(len(self._joining)), self._joining, RELEASED_WAIT_S)
+        for r in joined:
+            if not r.ok:
+                log.debug("a left-out rank could not join the group: %s", r.error)
         collect(outcome, self.specs, self.cluster)
         reports = outcome.reports
         expected = [reports[p].messages if p in reports else 0 for p in range(len(ars))]
-        drain(self.stream, ars, expected)
+        drain(self.stream, ars, expected, self.clock)
         if watch.reason in (None, Reason.FAILURE) and watch.stalled is None:
             # A collective with a timeout (TensorFlow's) fails when its peer finished the cell
             # instead of waiting for it: failures.py tells that apart from a rank's own error.
@@ -265,9 +287,9 @@ class Job:
         opts, watch, stream, live = self.opts, self.watch, self.stream, self.live
         peer_grace = release + PEER_GRACE_S
         kill_grace = release + KILL_GRACE_S
-        next_liveness = time.monotonic() + LIVENESS_EVERY_S
+        next_liveness = self.clock.monotonic() + LIVENESS_EVERY_S
         next_pump = 0.0
-        tick = time.monotonic()
+        tick = self.clock.monotonic()
         while True:
             try:
                 if interrupts.take():  # one at a time: a second one is the next round's
@@ -279,13 +301,13 @@ class Job:
                     if was or desk.active:
                         # A rank in the debugger makes no progress, and its peers wait for it:
                         # the time at the prompt counts for neither --stall nor --timeout.
-                        paused = time.monotonic() - tick
+                        paused = self.clock.monotonic() - tick
                         start += paused
                         watch.shift(paused)
                         if self._stop_asked is not None:
                             self._stop_asked += paused
-                tick = time.monotonic()
-                now = time.monotonic()
+                tick = self.clock.monotonic()
+                now = self.clock.monotonic()
                 pending = [p for p, ar in enumerate(ars) if not ar.ready()]
                 if not pending:
                     return
@@ -308,7 +330,7 @@ class Job:
                         self._stop_step = _agreed_step(ars)
                         if self._stop_step is not None:
                             live.stopping(self._stop_step)
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 if (
                     watch.reason is None
                     and self._stop_asked is not None
@@ -401,15 +423,15 @@ class Job:
         peer_grace = self._release_s + PEER_GRACE_S if peer_grace is None else peer_grace
         kill_grace = self._release_s + KILL_GRACE_S if kill_grace is None else kill_grace
         if watch.reason == Reason.INTERRUPT:  # a second interrupt: stop waiting, kill now
-            watch.since = time.monotonic() - peer_grace - kill_grace
+            watch.since = self.clock.monotonic() - peer_grace - kill_grace
         elif self._stop_asked is None and self._may_stop_gracefully():
-            self._stop_asked = time.monotonic()
+            self._stop_asked = self.clock.monotonic()
             self._stop_wait = graceful_wait(self.stream.history, len(self.ars))
             self.cluster.ask_to_stop(self.ranks)
             self.live.stopping()
         else:  # the first interrupt, or a second one while a graceful stop waits
             watch.reason = Reason.INTERRUPT
-            watch.since = time.monotonic() - peer_grace
+            watch.since = self.clock.monotonic() - peer_grace
             watch.interrupted = False
 
     def _kill_grace(self, kill_grace: float) -> float:
@@ -481,15 +503,16 @@ class Job:
     def _blocked(self, pending: list[int], now: float) -> bool:
         """Whether the ranks still running look blocked (they used almost no CPU over the last
         ``BLOCKED_WINDOW_S``): after a peer failed, that is a collective waiting for it."""
-        if now - self._blocked_at < BLOCKED_WINDOW_S:
+        if self._blocked_at is not None and now - self._blocked_at < BLOCKED_WINDOW_S:
             return False
         cpu = self.cluster.cpu_seconds([self.ranks[p] for p in pending])
         if cpu is None:  # a connected cluster: no process to look at
             return now - self.watch.since >= RELEASE_S
         previous, self._blocked_cpu = self._blocked_cpu, cpu
-        dt, self._blocked_at = now - self._blocked_at, now
-        if previous is None:
+        since, self._blocked_at = self._blocked_at, now
+        if previous is None or since is None:
             return False
+        dt = now - since
         return all(r in previous and cpu[r] - previous[r] < IDLE_CPU_SHARE * dt for r in cpu)
 
     def _release_ranks(self, ranks: Sequence[int]) -> None:
@@ -506,15 +529,13 @@ class Job:
                 log.debug("rank %d cannot be released", r, exc_info=True)
 
     def _confirm_released(self, outcome: Outcome) -> None:
-        deadline = time.monotonic() + RELEASED_WAIT_S
         still = {self.ranks[p] for p in outcome.watch.abandoned}
-        for r, ar in self._release.items():
-            if r in still:  # its drop runs when its cell ends: settle() leaves it queued
+        # (a rank in ``still``: its drop runs when its cell ends, settle() leaves it queued)
+        asked = [r for r in self._release if r not in still]
+        for answer in replies(asked, [self._release[r] for r in asked], RELEASED_WAIT_S):
+            if not answer.ok:  # it did not leave its group (yet): the settling asks it again
                 continue
-            try:
-                kept, dropped, sharded = ar.get(max(0.0, deadline - time.monotonic()))
-            except Exception:  # it did not leave its group (yet): the settling asks it again
-                continue
+            r, (kept, dropped, sharded) = answer.rank, answer.value
             if kept:
                 outcome.left.add(r)
                 continue
@@ -596,38 +617,30 @@ def _where(ar: Any) -> Waiting | None:
 
 
 def _failure(ar: Any) -> RankFailure | None:
-    try:
-        return ar.get(0).failure
-    except Exception:
-        return None
+    now = reply(0, ar, 0)
+    return now.value.failure if now.ok else None
 
 
 def _engine_died(ar: Any) -> bool:
     """Whether ipyparallel failed a finished task itself because its engine died (its nanny
-    told the controller): a ``RemoteError`` named ``EngineError``."""
-    try:
-        ar.get(0)
-    except Exception as e:
-        return getattr(e, "ename", type(e).__name__) == "EngineError"
-    return False
+    told the controller)."""
+    return reply(0, ar, 0).status is Status.DIED
 
 
 def _failed(ar: Any) -> bool:
-    try:
-        return ar.get(0).failure is not None
-    except Exception:
-        return True
+    now = reply(0, ar, 0)
+    return not now.ok or now.value.failure is not None
 
 
-def drain(stream: MetricsStream, ars: list[Any], expected: list[int]) -> None:
+def drain(stream: MetricsStream, ars: list[Any], expected: list[int], clock: Clock) -> None:
     """Read the metrics messages still in flight when the results arrived."""
-    deadline = time.monotonic() + LAST_METRICS_WAIT_S
+    deadline = clock.monotonic() + LAST_METRICS_WAIT_S
     while True:
         for pos, ar in enumerate(ars):
             stream.pump(pos, ar.data)
-        if stream.complete(expected) or time.monotonic() > deadline:
+        if stream.complete(expected) or clock.monotonic() > deadline:
             return
-        time.sleep(POLL_S)
+        clock.sleep(POLL_S)
 
 
 def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: Cluster) -> None:
@@ -638,9 +651,9 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: Cluster) -> No
             if pos not in watch.dead and pos not in watch.abandoned:
                 outcome.stopped.append(spec.rank)
             continue
-        try:
-            report = ar.get(0)
-        except Exception as e:  # the engine itself failed to run the task
+        now = reply(spec.rank, ar, 0)
+        if now.error is not None:  # the engine itself failed to run the task
+            e = now.error
             host = cluster.engines[spec.rank].host if spec.rank < cluster.size else "?"
             outcome.failures.append(
                 RankFailure(
@@ -653,7 +666,7 @@ def collect(outcome: Outcome, specs: Sequence[RankSpec], cluster: Cluster) -> No
                 )
             )
             continue
-        outcome.reports[pos] = report
+        report = outcome.reports[pos] = now.value
         f = report.failure
         if f is not None:
             if f.interrupted and watch.interrupted:

@@ -15,7 +15,6 @@ must start clean.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from nbdist.engine import backends, healing, worker
 from nbdist.errors import ClusterError
 from nbdist.kernel.cluster import Cluster
+from nbdist.kernel.engines import replies
 from nbdist.protocol import SessionState
 
 HEALTH_TIMEOUT_S = 2.0
@@ -39,14 +39,8 @@ def group_works(cluster: Cluster, framework: str, ranks: list[int]) -> bool:
         ]
     except ClusterError:  # an engine the controller no longer has: no group to keep
         return False
-    deadline = time.monotonic() + HEALTH_WAIT_S
-    verdicts = []
-    for ar in ars:
-        try:
-            verdicts.append(ar.get(max(0.0, deadline - time.monotonic())))
-        except Exception as e:  # timed out or failed: the group cannot be trusted
-            verdicts.append(f"{type(e).__name__}: {e}")
-    return all(v is None for v in verdicts)
+    # Timed out or failed: the group cannot be trusted.
+    return all(r.ok and r.value is None for r in replies(ranks, ars, HEALTH_WAIT_S))
 
 
 @dataclass
@@ -121,16 +115,9 @@ def ask(
     """``fn(*args)`` on every rank in ``ranks``, each answer awaited up to ``DROP_WAIT_S`` in
     all: the answers by rank, and the ranks that gave none (in ``queued``: not awaited)."""
     ars = {r: cluster.apply_async(r, fn, *args) for r in ranks}
-    deadline = time.monotonic() + DROP_WAIT_S
-    answers, stuck = {}, []
-    for r, ar in ars.items():
-        if r in queued:
-            continue
-        try:
-            answers[r] = ar.get(max(0.0, deadline - time.monotonic()))
-        except Exception:
-            stuck.append(r)
-    return answers, stuck
+    awaited = [r for r in ranks if r not in queued]
+    got = replies(awaited, [ars[r] for r in awaited], DROP_WAIT_S)
+    return {r.rank: r.value for r in got if r.ok}, [r.rank for r in got if not r.ok]
 
 
 @dataclass(frozen=True)

@@ -381,14 +381,13 @@ def test_an_interrupt_a_finalizer_took_still_stops_every_rank(ready, magics, cap
     pids = [e.pid for e in magics.cluster.engines]
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
-    start = time.monotonic()
     with pytest.raises(JobInterrupted) as info:
         ready.run_cell_magic("distrain", "--no-plot", cell)
     timer.join()
     assert str(info.value).splitlines()[0] == (
         "interrupted (Stop button or Kernel > Interrupt); stopped ranks 0, 1."
     )
-    assert time.monotonic() - start < 1.5 + 3
+    # Stopped, not killed (a kill comes seconds after the interrupt, and replaces the engines).
     assert [e.pid for e in magics.cluster.engines] == pids
     assert "Exception ignored" not in capsys.readouterr().err
     ready.run_cell_magic("distrain", "-o res", "dist.get_world_size()\n")

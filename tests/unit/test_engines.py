@@ -115,3 +115,39 @@ def test_busy_skips_the_tasks_whose_results_this_client_already_holds():
     cluster._client = _HubLagging()
     cluster.engines = rank_engines([0, 1, 2, 3], [_info("a")] * 4)
     assert cluster.busy() == {0: 0, 1: 1, 2: 1, 3: 0}  # rank 3: an engine the hub dropped
+
+
+class _Task:
+    """Stands where ipyparallel's AsyncResult does: it has its answer, or has none yet."""
+
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def get(self, timeout=None):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_every_way_a_task_ends_is_one_reply_per_rank():
+    from ipyparallel.error import RemoteError, TimeoutError
+
+    from nbdist.kernel.engines import Status, replies
+
+    got = replies(
+        [0, 1, 2, 3],
+        [
+            _Task(5),
+            _Task(error=RemoteError("ValueError", "boom", "")),
+            _Task(error=TimeoutError("Result not ready.")),  # ipyparallel's, a builtin one
+            _Task(error=RemoteError("EngineError", "Engine 3 died while running task 'x'", "")),
+        ],
+        1.0,
+    )
+    assert [(r.rank, r.status, r.value, r.ok) for r in got] == [
+        (0, Status.OK, 5, True),
+        (1, Status.FAILED, None, False),
+        (2, Status.LATE, None, False),
+        (3, Status.DIED, None, False),
+    ]
+    assert str(got[1].error) == "[Engine Exception] ValueError: boom"  # the error itself, kept

@@ -1,15 +1,18 @@
 """How a job that went wrong is stopped (``nbdist.kernel.job``): free, interrupt, kill, or give
 up on a rank that is not nbdist's to kill; against in-memory ranks and a cluster that records
-what it was asked, the way httpx tests its client against an in-memory transport. Times are
-scaled down (tenths of a second where the real ones are seconds); the order and the outcome are
-what is checked."""
+what it was asked, the way httpx tests its client against an in-memory transport, on a virtual
+clock the job is given (no test sleeps: a wait moves the clock on to what is due). Times are
+scaled down (tenths of a second where the real ones are seconds); the order, the outcome and
+when each step happened are what is checked."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import signal
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -41,10 +44,39 @@ class Rank:
     release_fails: bool = False  # its worker.release raises (its group half left)
 
 
+class Clock:
+    """Virtual time for the job (``Job(clock=...)``) and the fake ranks: a sleep or a wait moves
+    it on at once, running what was due meanwhile, in order."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.run_until(self.now + max(0.0, seconds))
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._due, (when, next(self._order), fn))
+
+    def run_until(self, when: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Move on to ``when``, or to the first moment ``done()`` holds."""
+        while self._due and self._due[0][0] <= when and not done():
+            at, _, fn = heapq.heappop(self._due)
+            self.now = max(self.now, at)
+            fn()
+        if not done():
+            self.now = max(self.now, when)
+
+
 class Task:
     """Stands where ipyparallel's AsyncResult does."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, clock: Clock) -> None:
+        self.clock = clock
         self.rank = rank
         self.report: RankReport | None = None
         self.error: Exception | None = None
@@ -60,30 +92,27 @@ class Task:
             f = RankFailure(rank=self.rank, host="h", exc_type=failure, message=message,
                             traceback="", time=time.time())  # fmt: skip
         self.report = RankReport(rank=self.rank, host="h", pid=100 + self.rank, failure=f)
-        self.done_at = time.monotonic() if at is None else at
+        self.done_at = self.clock.now if at is None else at
+        self.clock.at(self.done_at, lambda: None)  # a wait ends there
 
     def die(self) -> None:
         # What ipyparallel's client raises for the task of an engine that unregistered.
         self.error = RemoteError("EngineError", f"Engine {self.rank} died while running task", "")
-        self.done_at = time.monotonic()
+        self.done_at = self.clock.now
 
     def ready(self) -> bool:
-        return self.done_at is not None and time.monotonic() >= self.done_at
+        return self.done_at is not None and self.clock.now >= self.done_at
 
     def get(self, timeout: float | None = None):
-        end = time.monotonic() + (timeout or 0.0)
-        while not self.ready():
-            if time.monotonic() >= end:
-                raise TimeoutError("Result not ready.")
-            time.sleep(0.001)
+        self.wait(timeout or 0.0)
+        if not self.ready():
+            raise TimeoutError("Result not ready.")
         if self.error is not None:
             raise self.error
         return self.report
 
     def wait(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while not self.ready() and time.monotonic() < end:
-            time.sleep(0.001)
+        self.clock.run_until(self.clock.now + timeout, done=self.ready)
 
     def wait_for_output(self, timeout: float) -> None:
         pass
@@ -93,6 +122,7 @@ class Cluster:
     """Records what the job asks of it; ``kills``: whether its engines are nbdist's to kill."""
 
     def __init__(self, ranks: list[Rank], *, kills: bool = True) -> None:
+        self.clock = Clock()
         self.behaviour = ranks
         self.kills = kills
         self.tasks: dict[int, Task] = {}
@@ -114,25 +144,25 @@ class Cluster:
             )  # fmt: skip
             for r in range(len(ranks))
         ]
-        self.start = time.monotonic()
 
     @property
     def size(self) -> int:
         return len(self.engines)
 
     def apply_async(self, rank, fn, *args, **kwargs):
-        task = Task(rank)
+        task = Task(rank, self.clock)
+        now = self.clock.now
         if fn is worker.run_rank:
             self.tasks[rank] = task
             how = self.behaviour[rank]
             if how.ends_after is not None:
-                task.end(how.fails, at=time.monotonic() + how.ends_after)
+                task.end(how.fails, at=now + how.ends_after)
             if how.dies_after is not None:
-                threading.Timer(how.dies_after, self._die, args=(rank,)).start()
+                self.clock.at(now + how.dies_after, lambda: self._die(rank))
             if how.unregistered_before_gone is not None:
                 when, later = how.unregistered_before_gone
-                threading.Timer(when, task.die).start()
-                threading.Timer(when + later, self._die, args=(rank,)).start()
+                self.clock.at(now + when, task.die)
+                self.clock.at(now + when + later, lambda: self._die(rank))
         elif fn is worker.release:
             self.calls.append(("release", (rank,)))
             for r, other in self.tasks.items():  # a peer leaving frees those in a collective
@@ -204,11 +234,11 @@ def _run(cluster: Cluster, line: str = ""):
         for r in range(cluster.size)
     ]  # fmt: skip
     job = Job(cluster, specs, opts=parse_run_options(line), live=Live(), out=_Null(),
-              err=_Null(), world=cluster.size)  # fmt: skip
-    start = time.monotonic()
+              err=_Null(), world=cluster.size, clock=cluster.clock)  # fmt: skip
+    start = cluster.clock.now
     outcome = job.watch_until_done()
     job.finish(outcome)
-    return outcome, time.monotonic() - start
+    return outcome, cluster.clock.now - start
 
 
 class _Null:
@@ -265,15 +295,11 @@ def test_a_rank_that_is_not_nbdists_to_kill_is_given_up_after_the_collective_tim
 
 def test_a_second_interrupt_kills_at_once():
     cluster = Cluster([Rank(ignores_interrupt=True), Rank(ignores_interrupt=True)])
-
-    def interrupt_twice() -> None:
-        time.sleep(0.1)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.2)  # past the peer grace (0.1 s), well before the kill grace ends
-        os.kill(os.getpid(), signal.SIGINT)
+    interrupt = lambda: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
+    cluster.clock.at(0.1, interrupt)
+    cluster.clock.at(0.3, interrupt)  # past the peer grace (0.1 s), well before the kill grace
 
     job_module.KILL_GRACE_S = 5.0  # restored by the fixture: only a second interrupt kills now
-    threading.Thread(target=interrupt_twice, daemon=True).start()
     outcome, took = _run(cluster)
     assert outcome.watch.reason == Reason.INTERRUPT
     assert cluster.calls[0] == ("interrupt", (0, 1)) and cluster.calls[-1] == ("kill", (0, 1))
