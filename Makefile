@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/launchers.py
 	$(PY) benchmarks/profile_overhead.py
 	$(PY) benchmarks/flight_recorder.py
+	$(PY) benchmarks/course_server.py
 
 # The kernel's side at 8..1024 ranks (simulated ranks, plus 2 real engines for the transport):
 # build/bench/scale.{json,md}, about 2 minutes.
