@@ -129,10 +129,15 @@ class ConnectedCluster(RankedEngines):
             alive = sorted(set(self._client.ids) - died)
             if not alive:
                 raise
-            listed = ", ".join(map(str, sorted(died, key=str)))
+            known = sorted(d for d in died if d is not None)
+            which = (
+                f"engine{'s' if len(known) > 1 else ''} {', '.join(map(str, known))}"
+                if known
+                else "an engine"  # (one the client saw die names no id)
+            )
             self._notify(
-                f"nbdist: engine{'s' if len(died) > 1 else ''} {listed} died as nbdist "
-                "connected (the controller still listed it): left out"
+                f"nbdist: {which} died as nbdist connected (the controller still listed it): "
+                "left out"
             )
             self._learn_engines(alive, timeout=timeout)
 
