@@ -72,4 +72,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .venv-compat build .pytest_cache
+	rm -rf $(VENV) .venv-compat build .pytest_cache .ruff_cache .mypy_cache
