@@ -241,11 +241,26 @@ class LocalCluster(RankedEngines):
         if not self.running:
             self.start(n)
         elif n is not None and n != self.size:
+            too_little_memory(n, self.preload, room=self._room_without_engines())
             self._notify(f"nbdist: resizing the cluster from {self.size} to {n} workers")
-            notice = more_workers_than_gpus(n)
-            if notice:
-                self._notify(notice)
+            for notice in (more_workers_than_gpus(n), more_workers_than_cpus(n)):
+                if notice:
+                    self._notify(notice)
             self.replace_engines(n, note=note)
+
+    def _room_without_engines(self) -> tuple[int, int] | None:
+        """The memory limit and its use (:func:`memory_room`) as they will be once the running
+        engines, which a resize replaces, are gone."""
+        import psutil
+
+        room = memory_room()
+        if room is None:
+            return None
+        held = 0
+        for e in self.engines:
+            with contextlib.suppress(psutil.Error):
+                held += psutil.Process(e.pid).memory_info().rss
+        return room[0], max(0, room[1] - held)
 
     def replace_engines(
         self,

@@ -95,6 +95,9 @@ TOO_MANY = textwrap.dedent(
     ip.run_line_magic("distrain", "start -n 1")
     cluster = ip.magics_manager.registry["DistrainMagics"].cluster
     print("=== started", len(cluster.engines), flush=True)
+    print("=== resize", flush=True)
+    ip.run_cell("%%distrain -n 3\\nx = 1\\n")  # a resize is checked too
+    print("=== after", len(cluster.engines), flush=True)
     ip.run_line_magic("distrain", "stop")
     """
 )
@@ -132,7 +135,7 @@ def test_a_memory_limit_too_small_for_the_workers_is_said_before_the_start(small
         preexec_fn=join,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout
-    parts = dict(p.split(" ", 1) for p in run.stdout.split("=== ")[1:])
+    parts = dict(p.split(None, 1) for p in run.stdout.split("=== ")[1:])
     room = int(parts["room"].split()[0])
     assert 600 < room < 800, run.stdout  # what a fresh kernel leaves of the 800 MB
     refused = parts["refused"].strip()
@@ -146,3 +149,7 @@ def test_a_memory_limit_too_small_for_the_workers_is_said_before_the_start(small
     ), refused
     assert parts["children"].splitlines()[0] == "0"  # nothing was started
     assert parts["started"].splitlines()[0] == "1"
+    resize = parts["resize"]
+    assert "ClusterError: 3 workers need about 975 MB of memory (325 MB each" in resize, resize
+    assert "resizing" not in resize, resize  # refused before the engines were replaced
+    assert parts["after"].splitlines()[0] == "1"  # the running worker stays
