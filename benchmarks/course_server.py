@@ -8,8 +8,9 @@ time, each in a process of its own with nbclient (as the hub's single-user serve
 kernels; here one Unix user runs them all). For each count the report gives the slowest
 notebook's time and its ratio to one notebook alone, the peak memory of everything the
 notebooks started (kernels, controllers, engines: proportional set sizes summed, sampled every
-0.5 s), per notebook, per worker and for the rest, and whether every notebook trained the same
-model (the final loss of each, which the seed fixes).
+0.5 s), per notebook, per worker and for the rest (the kernel, the workers' controller, and the
+nbclient process that stands for the student's notebook server), and whether every notebook
+ran to its end with the final loss its seed gives (they share the seed).
 
     python benchmarks/course_server.py [--counts 1,2,4,8] [--steps 300]
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine['cpus']} CPUs and {machine['memory_gb']} GB ({machine['platform']}):",
         "",
         "| notebooks | slowest | vs one alone | peak memory | per notebook | per worker | "
-        "kernel + controller per notebook | same model |",
+        "the rest per notebook | same loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -257,17 +257,27 @@ _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
 def _memory_in(folder: str, *, v2: bool) -> tuple[int, int] | None:
-    limit_file, used_file = ("memory.max", "memory.current") if v2 else (
-        "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+    """(the limit, what is in use) of one memory cgroup; in use: its working set, as kubelet
+    and docker count it (the usage less the inactive file cache, which the kernel reclaims
+    before it kills anything: a file read once must not refuse a start)."""
+    limit_file, used_file, inactive = ("memory.max", "memory.current", "inactive_file") if v2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")  # fmt: skip
     try:
         with open(os.path.join(folder, limit_file)) as f:
             text = f.read().strip()
         if text == "max" or int(text) >= _NO_LIMIT:
             return None
         with open(os.path.join(folder, used_file)) as f:
-            return int(text), int(f.read())
+            used = int(f.read())
     except (OSError, ValueError):
         return None
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if len(line.split()) == 2)
+        used -= int(stat.get(inactive, 0))
+    except (OSError, ValueError):
+        pass
+    return int(text), max(0, used)
 
 
 def _quota_in(folder: str, *, v2: bool) -> float | None:

@@ -19,6 +19,7 @@ import os
 import queue
 import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
@@ -26,6 +27,7 @@ from typing import cast
 
 from IPython.core.error import StdinNotImplementedError
 
+from nbdist.errors import ClusterError
 from nbdist.kernel.runfiles import kernel_folder
 
 QUIT = ("q", "quit", "exit")
@@ -53,7 +55,10 @@ class Desk:
     def channel(self) -> tuple[str, bytes]:
         """The socket's path and the key, for the cell's ranks (opened on first use)."""
         if self._listener is None:
-            self._folder = str(kernel_folder("bp"))  # 0700, in the user's 0700 run folder
+            try:
+                self._folder = str(kernel_folder("bp"))  # 0700, in the user's 0700 run folder
+            except ClusterError:  # no private run folder (a connected cluster needs none)
+                self._folder = tempfile.mkdtemp(prefix="nbdist-bp-")
             path = os.path.join(self._folder, "s")
             self._listener = Listener(path, family="AF_UNIX", authkey=self.authkey)
             threading.Thread(target=self._accept, name="nbdist-breakpoints", daemon=True).start()

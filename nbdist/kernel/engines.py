@@ -197,8 +197,8 @@ def status_text(
     hosts = by_host(engines)
     grouped = len(engines) > MANY_RANKS
     lines = [
-        f"nbdist: {len(engines)} worker{'s' if len(engines) > 1 else ''} on {len(hosts)} "
-        f"host{'s' if len(hosts) > 1 else ''}, {source}"
+        f"nbdist: {len(engines)} worker{'s' if len(engines) != 1 else ''} on {len(hosts)} "
+        f"host{'s' if len(hosts) != 1 else ''}, {source}"
     ]
     for address, group in hosts.items():
         gpus = [e.gpu for e in group if e.gpu is not None]

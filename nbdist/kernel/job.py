@@ -351,7 +351,8 @@ class Job:
                         # one furthest behind is the culprit, the others wait for it. (Their last
                         # points arrive in any order within a flush interval.)
                         stuck = watch.stuck(pending, now, opts.stall / 2)
-                        first = watch.first_progress or now  # (set: a rank is stuck)
+                        first = watch.first_progress  # (set: a rank is stuck)
+                        first = now if first is None else first
                         since = {p: watch.progress.get(p, first) for p in stuck}
                         self._stall(
                             pending, now, peer_grace, {p: now - t for p, t in since.items()}

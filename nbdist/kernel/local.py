@@ -125,7 +125,6 @@ class LocalCluster(RankedEngines):
             if cancel is not None and cancel.is_set():
                 raise KeyboardInterrupt
 
-        too_little_memory(n, self.preload)
         for notice in (
             more_workers_than_gpus(n),
             more_workers_than_cpus(n),
@@ -139,6 +138,7 @@ class LocalCluster(RankedEngines):
                 f"nbdist: stopped {cleaned} leftover cluster process"
                 f"{'es' if cleaned > 1 else ''} of a kernel that had crashed"
             )
+        too_little_memory(n, self.preload)  # (what a crashed kernel left is freed now)
         folder = run_dir()
         try:
             self._reaper = Reaper(folder)
@@ -256,10 +256,10 @@ class LocalCluster(RankedEngines):
         room = memory_room()
         if room is None:
             return None
-        held = 0
+        held = 0  # what each engine's exit frees: its own pages (USS), not shared libraries
         for e in self.engines:
             with contextlib.suppress(psutil.Error):
-                held += psutil.Process(e.pid).memory_info().rss
+                held += psutil.Process(e.pid).memory_full_info().uss
         return room[0], max(0, room[1] - held)
 
     def replace_engines(
@@ -764,14 +764,17 @@ def too_little_memory(n: int, framework: str | None, room: tuple[int, int] | Non
     if framework is None:
         return
     backend = backends.load(framework)
+    engine_mb = getattr(backend, "ENGINE_MB", None)  # (a registered backend may not say)
+    if not engine_mb:
+        return
     limit, used = room
-    free, each = max(0, limit - used), backend.ENGINE_MB * 2**20
+    free, each = max(0, limit - used), engine_mb * 2**20
     if n * each <= free:
         return
     fits = free // each
     fewer = f"fewer workers (-n {fits})" if fits else "no worker fits"
     raise ClusterError(
-        f"{n} workers need about {_size(n * each)} of memory ({backend.ENGINE_MB} MB each: an "
+        f"{n} workers need about {_size(n * each)} of memory ({engine_mb} MB each: an "
         f"engine after a first small {backend.TITLE} cell, as measured on nbdist's test machine; "
         f"training needs more), and this kernel's memory limit leaves {_size(free)} (its cgroup "
         f"allows {_size(limit)}, {_size(used)} in use): {fewer}. Ask for more memory (a "

@@ -139,14 +139,17 @@ def test_a_memory_limit_too_small_for_the_workers_is_said_before_the_start(small
     room = int(parts["room"].split()[0])
     assert 600 < room < 800, run.stdout  # what a fresh kernel leaves of the 800 MB
     refused = parts["refused"].strip()
-    assert re.fullmatch(
+    said = re.fullmatch(
         r"ClusterError 3 workers need about 975 MB of memory \(325 MB each: an engine after a "
         r"first small torch cell, as measured on nbdist's test machine; training needs more\), "
         r"and this kernel's memory limit leaves (\d+) MB \(its cgroup allows 800 MB, (\d+) MB in "
         r"use\): fewer workers \(-n (\d)\)\. Ask for more memory \(a JupyterHub's mem_limit\), or "
         r"close other notebooks' kernels\.",
         refused,
-    ), refused
+    )
+    assert said, refused
+    left, used, fits = (int(g) for g in said.groups())
+    assert left + used == 800 and fits == left // 325, refused  # the room it says, and who fits
     assert parts["children"].splitlines()[0] == "0"  # nothing was started
     assert parts["started"].splitlines()[0] == "1"
     resize = parts["resize"]
