@@ -178,14 +178,7 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
     """The CPUs' worth of time this process's cgroups allow (quota / period, the smallest along
     the path from its cgroup to the hierarchy's root, cgroup v2's ``cpu.max`` or v1's
     ``cpu.cfs_quota_us``), None without a limit or where there are no cgroups to read."""
-    try:
-        with open(f"{proc}/cgroup") as f:
-            memberships = [line.rstrip("\n").split(":", 2) for line in f]
-        with open(f"{proc}/mountinfo") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    limits = [q for _, q in _along(memberships, mounts, "cpu", _quota_in)]
+    limits = [q for _, q in _along(proc, "cpu", _quota_in)]
     return min(limits) if limits else None
 
 
@@ -193,22 +186,21 @@ def memory_room(proc: str = "/proc/self") -> tuple[int, int] | None:
     """The tightest memory limit of this process's cgroups (cgroup v2's ``memory.max``, v1's
     ``memory.limit_in_bytes``, from its cgroup up: a JupyterHub spawner's ``mem_limit``) and
     what that cgroup uses now, in bytes; None without a limit."""
+    found = [room for _, room in _along(proc, "memory", _memory_in)]
+    return min(found, key=lambda room: room[0] - room[1]) if found else None
+
+
+def _along(proc: str, controller: str, read: Any) -> list[tuple[str, Any]]:
+    """``read(folder, v2=...)`` for the cgroup of ``controller`` the process ``proc`` (a
+    /proc folder) is in and each of its ancestors up to the hierarchy's root: (folder, value)
+    where a value was read; nothing where there are no cgroups to read."""
     try:
         with open(f"{proc}/cgroup") as f:
             memberships = [line.rstrip("\n").split(":", 2) for line in f]
         with open(f"{proc}/mountinfo") as f:
             mounts = [line.split() for line in f]
     except OSError:
-        return None
-    found = [room for _, room in _along(memberships, mounts, "memory", _memory_in)]
-    return min(found, key=lambda room: room[0] - room[1]) if found else None
-
-
-def _along(
-    memberships: list[list[str]], mounts: list[list[str]], controller: str, read: Any
-) -> list[tuple[str, Any]]:
-    """``read(folder, v2=...)`` for the cgroup of ``controller`` this process is in and each
-    of its ancestors up to the hierarchy's root: (folder, value) where a value was read."""
+        return []
     out = []
     for entry in memberships:
         if len(entry) != 3:

@@ -11,6 +11,8 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,19 +35,18 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def one_cpu():
-    """A cgroup (v1's cpu controller, as this machine has it) allowed 1 CPU's worth of time."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("a quota below the machine's count needs 2 CPUs or more")
-    folder = CPU_V1 / f"nbdist-test-{uuid.uuid4().hex[:8]}"
+@contextmanager
+def cgroup(hierarchy: Path, files: dict[str, str], what: str) -> Iterator[Path]:
+    """A cgroup of v1's ``hierarchy`` (as this machine mounts it) with ``files`` written; the
+    test skips, saying so, where none can be made (not root, another cgroup layout)."""
+    folder = hierarchy / f"nbdist-test-{uuid.uuid4().hex[:8]}"
     try:
         folder.mkdir()
-        (folder / "cpu.cfs_period_us").write_text("100000")
-        (folder / "cpu.cfs_quota_us").write_text("100000")
+        for name, text in files.items():
+            (folder / name).write_text(text)
     except OSError as e:
-        pytest.skip(f"cannot make a cgroup with a CPU quota here ({e}): needs root and cgroup v1's "
-                    "cpu controller mounted at /sys/fs/cgroup/cpu")  # fmt: skip
+        pytest.skip(f"cannot make a cgroup with {what} here ({e}): needs root and cgroup v1's "
+                    f"controller mounted at {hierarchy}")  # fmt: skip
     yield folder
     deadline = time.monotonic() + 10
     while True:
@@ -55,6 +56,16 @@ def one_cpu():
         except OSError:  # an engine still exiting
             assert time.monotonic() < deadline, (folder / "cgroup.procs").read_text()
             time.sleep(0.1)
+
+
+@pytest.fixture
+def one_cpu():
+    """A cgroup allowed 1 CPU's worth of time."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("a quota below the machine's count needs 2 CPUs or more")
+    quota = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}
+    with cgroup(CPU_V1, quota, "a CPU quota") as folder:
+        yield folder
 
 
 def test_workers_count_the_cpus_a_quota_allows(one_cpu):
@@ -105,24 +116,10 @@ TOO_MANY = textwrap.dedent(
 
 @pytest.fixture
 def small_memory():
-    """A memory cgroup (v1's controller, as this machine has it) whose limit leaves about 700 MB
-    beyond what a fresh kernel uses: one torch worker fits, three do not."""
-    folder = MEMORY_V1 / f"nbdist-test-{uuid.uuid4().hex[:8]}"
-    try:
-        folder.mkdir()
-        (folder / "memory.limit_in_bytes").write_text(str(800 * 2**20))
-    except OSError as e:
-        pytest.skip(f"cannot make a cgroup with a memory limit here ({e}): needs root and cgroup "
-                    "v1's memory controller mounted at /sys/fs/cgroup/memory")  # fmt: skip
-    yield folder
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            folder.rmdir()
-            return
-        except OSError:  # an engine still exiting
-            assert time.monotonic() < deadline, (folder / "cgroup.procs").read_text()
-            time.sleep(0.1)
+    """A memory cgroup whose limit leaves about 700 MB beyond what a fresh kernel uses: one
+    torch worker fits, three do not."""
+    with cgroup(MEMORY_V1, {"memory.limit_in_bytes": str(800 * 2**20)}, "a memory limit") as f:
+        yield f
 
 
 def test_a_memory_limit_too_small_for_the_workers_is_said_before_the_start(small_memory):
