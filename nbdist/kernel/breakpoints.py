@@ -50,6 +50,10 @@ class Desk:
         self._rank: dict[Connection, int] = {}  # each connection's rank
         self._prompts: dict[Connection, str] = {}  # at a prompt: pdb's mode ("Pdb ", ">>> ")
         self._waiting: set[Connection] = set()  # a line sent, its answer not yet come
+        # The rank whose debugger the notebook is in, from its prompt until it goes on (c, n,
+        # s, q): another rank that stops meanwhile waits its turn, even a lower one. (Not past
+        # an n: the line run may be a collective that waits for a rank at its breakpoint.)
+        self._current: Connection | None = None
         self._no_input = False  # this front end has no input box: said once, ranks go on
 
     def channel(self) -> tuple[str, bytes]:
@@ -86,8 +90,9 @@ class Desk:
         ask_stop: Callable[[], None],
         ask: Callable[[str], str] | None = None,
     ) -> None:
-        """Take what the ranks sent; prompt for the lowest rank at a prompt, and send it the
-        line typed. Returns at once when no rank is at a breakpoint."""
+        """Take what the ranks sent; prompt for the rank the notebook is with, else the lowest
+        at a prompt, and send it the line typed. Returns at once when no rank is at a
+        breakpoint, or when the rank it is with still runs the line it was sent."""
         while True:
             try:
                 self._conns.append(self._arrived.get_nowait())
@@ -99,7 +104,10 @@ class Desk:
             self._take(cast(Connection, ready), out)
         if not self._prompts:
             return
-        conn = min(self._prompts, key=lambda c: self._rank[c])
+        if self._current is not None and self._current not in self._prompts:
+            return  # its answer, and its next prompt, come before another rank's turn
+        conn = self._current or min(self._prompts, key=lambda c: self._rank[c])
+        self._current = conn
         rank, mode = self._rank[conn], self._prompts.pop(conn)
         line = self._read(f"(rank {rank}) {mode}", rank, out, ask)
         if line.strip() in QUIT and mode == "Pdb ":
@@ -126,8 +134,10 @@ class Desk:
                 text = ""
         elif kind == "reply":
             text, self._prompts[conn] = rest
-        else:  # "resumed"
+        else:  # "resumed": its turn is over
             text = "" if self._no_input else rest[0]
+            if conn is self._current:
+                self._current = None
         show(text, out)
 
     def _read(
@@ -162,6 +172,8 @@ class Desk:
                 signal.signal(signal.SIGINT, saved)
 
     def _drop(self, conn: Connection) -> None:
+        if conn is self._current:
+            self._current = None
         self._prompts.pop(conn, None)
         self._rank.pop(conn, None)
         self._waiting.discard(conn)

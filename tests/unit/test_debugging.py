@@ -251,3 +251,47 @@ def test_the_flight_recorders_line_says_who_is_behind():
         "(started), rank 1 #9 nccl:broadcast (completed), rank 2 #12 nccl:all_reduce "
         "(started) (rank 1 is 3 collectives behind)."
     )
+
+
+def test_a_rank_that_stops_while_another_is_at_the_prompt_waits_its_turn():
+    """Rank 1 is at the notebook's prompt; rank 0 stops at its breakpoint meanwhile. The
+    notebook stays with rank 1 until it goes on (``c``), then takes rank 0, though rank 0 is
+    the lower. Two "ranks" over the desk's real socket, each step in a known order."""
+    from multiprocessing.connection import Client
+
+    from nbdist.kernel.breakpoints import Desk
+
+    desk = Desk()
+    path, key = desk.channel()
+    one = Client(path, family="AF_UNIX", authkey=key)
+    zero = Client(path, family="AF_UNIX", authkey=key)
+    prompts: list[str] = []
+    typed = iter(["p mine", "c", "p mine", "c"])
+
+    def ask(prompt: str) -> str:
+        prompts.append(prompt)
+        return next(typed)
+
+    def serve_until(conn, line: str) -> None:  # until that rank was sent ``line``
+        for _ in range(500):
+            desk.serve(lambda text: None, lambda: None, ask=ask)
+            if conn.poll(0.01):
+                assert conn.recv() == line
+                return
+        raise AssertionError(f"{line!r} never sent")
+
+    try:
+        one.send(("stop", 1, "", "Pdb "))
+        serve_until(one, "p mine")
+        zero.send(("stop", 0, "", "Pdb "))  # rank 0 arrives while rank 1 is in its debugger
+        one.send(("reply", "10", "Pdb "))
+        serve_until(one, "c")
+        one.send(("resumed", ""))
+        serve_until(zero, "p mine")
+        zero.send(("reply", "0", "Pdb "))
+        serve_until(zero, "c")
+        assert prompts == ["(rank 1) Pdb "] * 2 + ["(rank 0) Pdb "] * 2
+    finally:
+        one.close()
+        zero.close()
+        desk.close()
