@@ -169,16 +169,19 @@ def usable_cpus() -> int:
     """CPUs this process may use: its affinity mask, and fewer where a CPU quota of its cgroup
     (a JupyterHub spawner's ``cpu_limit``, a container's ``--cpus``) allows less time than that,
     rounded down (at least 1)."""
-    cpus = affinity_cpus()
-    quota = cpu_quota()
-    return cpus if quota is None else max(1, min(cpus, int(quota)))
+    return cpus_within(affinity_cpus(), cpu_quota())
+
+
+def cpus_within(affinity: int, quota: float | None) -> int:
+    """The CPUs an affinity mask of ``affinity`` CPUs and a CPU quota (None: none) allow."""
+    return affinity if quota is None else max(1, min(affinity, int(quota)))
 
 
 def cpu_quota(proc: str = "/proc/self") -> float | None:
     """The CPUs' worth of time this process's cgroups allow (quota / period, the smallest along
     the path from its cgroup to the hierarchy's root, cgroup v2's ``cpu.max`` or v1's
     ``cpu.cfs_quota_us``), None without a limit or where there are no cgroups to read."""
-    limits = [q for _, q in _along(proc, "cpu", _quota_in)]
+    limits = _along(proc, "cpu", _quota_in)
     return min(limits) if limits else None
 
 
@@ -186,14 +189,14 @@ def memory_room(proc: str = "/proc/self") -> tuple[int, int] | None:
     """The tightest memory limit of this process's cgroups (cgroup v2's ``memory.max``, v1's
     ``memory.limit_in_bytes``, from its cgroup up: a JupyterHub spawner's ``mem_limit``) and
     what that cgroup uses now, in bytes; None without a limit."""
-    found = [room for _, room in _along(proc, "memory", _memory_in)]
+    found = _along(proc, "memory", _memory_in)
     return min(found, key=lambda room: room[0] - room[1]) if found else None
 
 
-def _along(proc: str, controller: str, read: Any) -> list[tuple[str, Any]]:
+def _along(proc: str, controller: str, read: Any) -> list[Any]:
     """``read(folder, v2=...)`` for the cgroup of ``controller`` the process ``proc`` (a
-    /proc folder) is in and each of its ancestors up to the hierarchy's root: (folder, value)
-    where a value was read; nothing where there are no cgroups to read."""
+    /proc folder) is in and each of its ancestors up to the hierarchy's root: the values read
+    (None is no value); nothing where there are no cgroups to read."""
     try:
         with open(f"{proc}/cgroup") as f:
             memberships = [line.rstrip("\n").split(":", 2) for line in f]
@@ -228,9 +231,7 @@ def _cgroup_mounts(mounts: list[list[str]], *, v2: bool, wanted: str) -> list[tu
     return out
 
 
-def _values_along(
-    mount: str, root: str, path: str, read: Any, *, v2: bool
-) -> list[tuple[str, Any]]:
+def _values_along(mount: str, root: str, path: str, read: Any, *, v2: bool) -> list[Any]:
     """What ``read`` finds in the cgroup at ``path`` and its ancestors up to the mount's root."""
     if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
         path = path[len(root.rstrip("/")) :] or "/"  # a container's namespace: its own root
@@ -239,7 +240,7 @@ def _values_along(
     while True:
         value = read(here, v2=v2)
         if value is not None:
-            out.append((here, value))
+            out.append(value)
         if os.path.normpath(here) == os.path.normpath(mount):
             return out
         here = os.path.dirname(here)

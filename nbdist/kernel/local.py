@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from importlib.util import find_spec
 from typing import Any
 
 from nbdist.engine import backends, worker
@@ -29,6 +28,7 @@ from nbdist.engine.hardware import (
     affinity_cpus,
     busy_gpus_notice,
     cpu_quota,
+    cpus_within,
     gpu_holders,
     memory_room,
     usable_cpus,
@@ -758,9 +758,7 @@ def too_little_memory(n: int, framework: str | None, room: tuple[int, int] | Non
     room = room if room is not None else memory_room()
     if room is None:
         return
-    if framework is None:
-        installed = [b for b in backends.all_backends() if find_spec(b.MODULE) is not None]
-        framework = installed[0].NAME if installed else None
+    framework = framework or backends.first_installed()
     if framework is None:
         return
     backend = backends.load(framework)
@@ -793,13 +791,13 @@ def more_workers_than_cpus(n: int, *, total: int | None = None) -> str | None:
     gpus = len(visible_gpus())
     if gpus and n <= gpus:
         return None  # one GPU each
-    cpus, machine = usable_cpus(), total or os.cpu_count() or 1
+    affinity, quota = affinity_cpus(), cpu_quota()
+    cpus, machine = cpus_within(affinity, quota), total or os.cpu_count() or 1
     if n <= cpus or cpus >= machine:
         return None
-    quota = cpu_quota()
     why = (
         f"its cgroup's CPU quota is {quota:g} CPU{'s' if quota != 1 else ''}"
-        if quota is not None and int(quota) < affinity_cpus()
+        if quota is not None and int(quota) < affinity
         else "its CPU affinity"
     )
     return (

@@ -6,7 +6,6 @@ engine is started or resized for a cell that a flag makes impossible).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +39,9 @@ def choose_framework(tree: Any, opts: RunOptions, current: str | None) -> str:
         )
     if current is not None:
         return current
-    for backend in backends.all_backends():
-        if importlib.util.find_spec(backend.MODULE) is not None:
-            return backend.NAME
+    installed = backends.first_installed()
+    if installed is not None:
+        return installed
     raise UsageError(
         "%%distrain: neither torch nor tensorflow is installed in this kernel's environment; "
         "pip install torch (or tensorflow), then run the cell again."

@@ -23,7 +23,7 @@ def test_neither_framework_installed(monkeypatch):
     real = importlib.util.find_spec
     missing = {"torch", "tensorflow"}
     monkeypatch.setattr(
-        prepare.importlib.util, "find_spec", lambda name: None if name in missing else real(name)
+        importlib.util, "find_spec", lambda name: None if name in missing else real(name)
     )
     with pytest.raises(
         UsageError,

@@ -114,6 +114,14 @@ def all_backends() -> list[ModuleType]:
     return [load(name) for name in frameworks()]
 
 
+def first_installed() -> str | None:
+    """The first framework (in :func:`frameworks` order) whose module is installed here: the
+    default for a cell that names none."""
+    from importlib.util import find_spec
+
+    return next((b.NAME for b in all_backends() if find_spec(b.MODULE) is not None), None)
+
+
 def load(framework: str) -> ModuleType:
     """The backend module for ``framework`` (imports no framework itself)."""
     module = _MODULES.get(framework) or _registry().get(framework)
